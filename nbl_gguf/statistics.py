@@ -1,0 +1,114 @@
+"""Streaming sufficient statistics of paired activations (X, Y), one accumulator per layer.
+
+Only sums are kept (n, sum x, sum y, sum xx^T, sum yx^T, sum yy^T), so memory is O(d^2) per
+layer whatever the token count. Sums are float64 and taken around a fixed shift (the first
+batch's mean): hidden states carry large per-channel offsets, and E[xx^T] - E[x]E[x]^T would
+otherwise cancel away most significant digits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nbl_gguf.errors import NblError
+
+
+class MomentAccumulator:
+    """Sums of a stream of (X [n, dx], Y [n, dy]) row pairs, in float64 on `device`."""
+
+    def __init__(self, dx: int, dy: int, device: str | torch.device = "cpu", name: str = ""):
+        self.name = name
+        self.device = torch.device(device)
+        self.n = 0
+        f64 = dict(dtype=torch.float64, device=self.device)
+        self.shift_x = None
+        self.shift_y = None
+        self.sum_x = torch.zeros(dx, **f64)
+        self.sum_y = torch.zeros(dy, **f64)
+        self.sum_xx = torch.zeros(dx, dx, **f64)
+        self.sum_yx = torch.zeros(dy, dx, **f64)
+        self.sum_yy = torch.zeros(dy, dy, **f64)
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(self.device, torch.float64)
+        y = y.reshape(-1, y.shape[-1]).to(self.device, torch.float64)
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(f"{self.name}: X has {x.shape[0]} rows but Y has {y.shape[0]}")
+        if x.shape[0] == 0:
+            return
+        if self.shift_x is None:
+            # A non-finite first batch would poison the shift; check_finite() reports it later.
+            self.shift_x = torch.nan_to_num(x.mean(0))
+            self.shift_y = torch.nan_to_num(y.mean(0))
+        x = x - self.shift_x
+        y = y - self.shift_y
+        self.n += x.shape[0]
+        self.sum_x += x.sum(0)
+        self.sum_y += y.sum(0)
+        self.sum_xx.addmm_(x.T, x)
+        self.sum_yx.addmm_(y.T, x)
+        self.sum_yy.addmm_(y.T, y)
+
+    def check_finite(self) -> None:
+        """A NaN/inf anywhere in X or Y reaches its column sum, so checking the d-vectors suffices."""
+        for label, total in (("input", self.sum_x), ("output", self.sum_y)):
+            if not bool(torch.isfinite(total).all()):
+                bad = int((~torch.isfinite(total)).sum())
+                raise NblError(f"non-finite activations (NaN/inf) in {self.name} {label} ({bad} channels); "
+                               f"try --dtype fp32 or check the model weights")
+
+    def moments(self) -> "Moments":
+        self.check_finite()
+        if self.n == 0:
+            raise NblError(f"{self.name}: no tokens were accumulated")
+        n = self.n
+        mx, my = self.sum_x / n, self.sum_y / n
+        # Population (1/n) covariances: the LMMSE solution and every ratio below are scale-free.
+        cxx = self.sum_xx / n - torch.outer(mx, mx)
+        cyx = self.sum_yx / n - torch.outer(my, mx)
+        cyy = self.sum_yy / n - torch.outer(my, my)
+        cxx = (cxx + cxx.T) / 2
+        cyy = (cyy + cyy.T) / 2
+        return Moments(n, mx + self.shift_x, my + self.shift_y, cxx, cyx, cyy, self.name)
+
+
+@dataclass
+class Moments:
+    """Means and population covariances of one (X, Y) pair, float64."""
+
+    n: int
+    mean_x: torch.Tensor
+    mean_y: torch.Tensor
+    cxx: torch.Tensor
+    cyx: torch.Tensor
+    cyy: torch.Tensor
+    name: str = ""
+
+    def with_residual(self) -> "Moments":
+        """Moments of (X, Y + X): the paper scores attention against Y+ = Y + X."""
+        cyx = self.cyx + self.cxx
+        cyy = self.cyy + self.cyx + self.cyx.T + self.cxx
+        return Moments(self.n, self.mean_x, self.mean_y + self.mean_x, self.cxx, cyx, (cyy + cyy.T) / 2,
+                       self.name + " (Y+X)")
+
+
+class CosineAccumulator:
+    """Running mean over tokens of 1 - cos(a, b) (the attention/block-drop redundancy criterion)."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+        self.n = 0
+
+    @torch.no_grad()
+    def update(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        a = a.reshape(-1, a.shape[-1]).to(self.total.device, torch.float64)
+        b = b.reshape(-1, b.shape[-1]).to(self.total.device, torch.float64)
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-12)
+        self.total += (1 - cos).sum()
+        self.n += a.shape[0]
+
+    def value(self) -> float:
+        return float(self.total) / self.n if self.n else float("nan")
