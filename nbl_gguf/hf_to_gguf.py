@@ -1,0 +1,93 @@
+"""Stock HF -> GGUF conversion by the pinned llama.cpp converter.
+
+The converter (``convert_hf_to_gguf.py`` with its ``conversion`` package and ``gguf-py``) owns
+the tokenizer and metadata handling; this module only runs it as a subprocess with the current
+Python, checks its result and turns failures into an :class:`NblError`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from nbl_gguf.errors import NblError
+from nbl_gguf.llamacpp import source_dir
+
+OUTTYPES = ("f32", "f16", "bf16")
+
+
+def converter_script() -> Path:
+    script = source_dir() / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise NblError(f"the llama.cpp converter {script} is missing: run scripts/build_llama.sh first "
+                       f"(it unpacks the pinned, patched llama.cpp source)")
+    return script
+
+
+def check_hf_folder(model_dir: str | os.PathLike) -> Path:
+    """A local folder that looks like a HF checkpoint (config.json and weights), else NblError."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise NblError(f"model folder {path} does not exist")
+    if not path.is_dir():
+        raise NblError(f"{path} is not a directory: pass a HF model folder (config.json, *.safetensors, tokenizer)")
+    if not (path / "config.json").is_file():
+        raise NblError(f"{path} is not a HF model folder: it has no config.json")
+    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")]
+    if not weights:
+        raise NblError(f"{path} is not a HF model folder: it has no *.safetensors or pytorch_model*.bin weights")
+    return path
+
+
+def convert_hf_to_gguf(model_dir: str | os.PathLike, outfile: str | os.PathLike, outtype: str = "f32",
+                       *, quiet: bool = True, timeout: float | None = None) -> Path:
+    """Run the pinned converter on ``model_dir``; returns ``outfile`` once it is a complete GGUF.
+
+    The converter writes to a temp name next to ``outfile`` that is renamed at the end, so a
+    failure leaves nothing behind.
+    """
+    outtype = outtype.lower()
+    if outtype not in OUTTYPES:
+        raise NblError(f"--outtype {outtype!r}: the stock conversion writes one of {', '.join(OUTTYPES)}")
+    model_dir = check_hf_folder(model_dir)
+    script = converter_script()
+    outfile = Path(outfile)
+    outfile.parent.mkdir(parents=True, exist_ok=True)
+    tmp = outfile.with_name(f".{outfile.name}.converting.gguf")
+    command = [sys.executable, str(script), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)]
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)  # always the pinned tree's gguf-py
+    env.setdefault("PYTHONIOENCODING", "utf-8")
+    try:
+        completed = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(script.parent),
+                                   timeout=timeout)
+        if completed.returncode != 0 or not tmp.is_file():
+            raise NblError(f"the llama.cpp converter failed on {model_dir} (exit {completed.returncode}):\n"
+                           + _tail(completed.stdout + completed.stderr))
+        _check_gguf(tmp, model_dir)
+        os.replace(tmp, outfile)
+    except subprocess.TimeoutExpired as error:
+        raise NblError(f"the llama.cpp converter timed out after {timeout} s on {model_dir}") from error
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not quiet:
+        print(completed.stderr, file=sys.stderr)
+    return outfile
+
+
+def _check_gguf(path: Path, model_dir: Path) -> None:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as error:  # noqa: BLE001 - any parse failure means a broken output
+        raise NblError(f"the converter's output for {model_dir} is not a readable GGUF: {error}") from error
+    if "general.architecture" not in reader.fields or not reader.tensors:
+        raise NblError(f"the converter's output for {model_dir} has no architecture or no tensors")
+
+
+def _tail(text: str, lines: int = 20) -> str:
+    kept = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(kept[-lines:])

@@ -1,0 +1,112 @@
+"""Quantization with the patched llama.cpp tools: ``llama-quantize`` and, optionally, an importance
+matrix from ``llama-imatrix`` over calibration text.
+
+Both run on NBL GGUFs: the patched tools know the ``attn_nbl`` tensors and the layer map.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+from nbl_gguf.errors import NblError
+from nbl_gguf.llamacpp import run_tool, tool
+
+# "   15  or  Q4_K_M  :  4.58G, ..."   and   "          COPY    : only copy tensors"
+_TYPE_LINE = re.compile(r"^\s+(?:\d+\s+or\s+)?([A-Z][A-Z0-9_]*)\s+:")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+@functools.lru_cache(maxsize=None)
+def _types_of(binary: str) -> tuple[str, ...]:
+    completed = subprocess.run([binary, "--help"], capture_output=True, text=True)
+    text = completed.stdout + completed.stderr
+    start = text.find("allowed quantization types")
+    names = []
+    for line in text[start:].splitlines() if start >= 0 else []:
+        match = _TYPE_LINE.match(line)
+        if match and match.group(1) != "COPY":
+            names.append(match.group(1))
+    if not names:
+        raise NblError(f"could not read the list of quantization types from {binary} --help")
+    return tuple(names)
+
+
+def quant_types() -> tuple[str, ...]:
+    """The type names llama-quantize offers (upper case, as it prints them; COPY left out)."""
+    return _types_of(str(tool("llama-quantize")))
+
+
+def normalize_quant(name: str) -> str:
+    """``name`` as llama-quantize spells it (case-insensitive match), or a clear NblError."""
+    wanted = name.strip().upper()
+    types = quant_types()
+    if wanted not in types:
+        raise NblError(f"unknown quantization type '{name}'; llama-quantize offers: "
+                       + ", ".join(t.lower() for t in types))
+    return wanted
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, quant: str, *, imatrix: str | os.PathLike | None = None,
+             threads: int | None = None, extra_args: Iterable[str] = ()) -> Path:
+    """``llama-quantize [--imatrix FILE] src dst TYPE [threads]``; ``dst`` appears only once complete."""
+    from nbl_gguf.gguf_nbl import atomic_output
+
+    qtype = normalize_quant(quant)
+    src, dst = Path(src), Path(dst)
+    if not src.is_file():
+        raise NblError(f"{src} does not exist")
+    if src.resolve() == dst.resolve():
+        raise NblError("llama-quantize must not overwrite its input")
+    tmp = atomic_output(dst)
+    try:
+        args = [*extra_args]
+        if imatrix is not None:
+            args += ["--imatrix", str(imatrix)]
+        args += [str(src), str(tmp), qtype]
+        if threads:
+            args.append(str(threads))
+        run_tool("llama-quantize", args)
+        if not tmp.is_file() or tmp.stat().st_size == 0:
+            raise NblError(f"llama-quantize wrote no output for {src}")
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dst
+
+
+def compute_imatrix(model: str | os.PathLike, texts: Iterable[str] | str, output: str | os.PathLike, *,
+                    ctx: int = 512, chunks: int | None = None, threads: int | None = None,
+                    seed: int = 0) -> Path:
+    """Run ``llama-imatrix`` of ``model`` (an F32/F16 GGUF) over ``texts``; writes ``output`` (GGUF imatrix)."""
+    from nbl_gguf.gguf_nbl import atomic_output
+
+    text = texts if isinstance(texts, str) else "\n\n".join(t for t in texts if t)
+    if not text.strip():
+        raise NblError("no calibration text for the importance matrix")
+    output = Path(output)
+    with tempfile.TemporaryDirectory(prefix="nbl-imatrix-") as tmpdir:
+        text_file = Path(tmpdir) / "calibration.txt"
+        text_file.write_text(text, encoding="utf-8")
+        tmp_out = Path(tmpdir) / "imatrix.gguf"
+        args = ["-m", str(model), "-f", str(text_file), "-o", str(tmp_out), "-c", str(ctx),
+                "--no-ppl", "--output-frequency", "1000000", "--seed", str(seed)]
+        if chunks:
+            args += ["--chunks", str(chunks)]
+        if threads:
+            args += ["-t", str(threads)]
+        run_tool("llama-imatrix", args)
+        if not tmp_out.is_file():
+            raise NblError(f"llama-imatrix wrote no importance matrix for {model}")
+        final = atomic_output(output)
+        try:
+            os.replace(tmp_out, final)
+            os.replace(final, output)
+        finally:
+            final.unlink(missing_ok=True)
+    return output
