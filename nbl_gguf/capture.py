@@ -47,8 +47,10 @@ def capture_activations(model, adapter: ModelAdapter, on_attention: AttentionCal
             slot.clear()  # let the batch's activations be freed
 
         handles.append(layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
-        handles.append(attention_norm(layer, adapter).register_forward_hook(norm_hook))
-        handles.append(attention_module(layer, adapter).register_forward_hook(attn_hook))
+        # A layer already replaced by a linear block (apply_nbl) has no attention to observe.
+        if hasattr(layer, adapter.attn) and hasattr(layer, adapter.attn_norm):
+            handles.append(attention_norm(layer, adapter).register_forward_hook(norm_hook))
+            handles.append(attention_module(layer, adapter).register_forward_hook(attn_hook))
         handles.append(layer.register_forward_hook(layer_hook, with_kwargs=True))
     try:
         yield handles

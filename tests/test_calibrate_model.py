@@ -1,0 +1,205 @@
+"""Hooks, apply_nbl and the end-to-end calibrate command on tiny random Llama models."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
+from nbl_gguf import calibrate
+from nbl_gguf.apply import ATTN_DROP, ATTN_LINEAR, BLOCK_LINEAR, KEEP, apply_nbl
+from nbl_gguf.artifact import load_artifact
+from nbl_gguf.capture import capture_activations
+from nbl_gguf.errors import NblError
+from nbl_gguf.models import get_adapter
+
+
+def capture_all(model, input_ids):
+    records = {"attn": {}, "block": {}}
+
+    def on_attention(i, h, x, y):
+        records["attn"].setdefault(i, []).append((h.clone(), x.clone(), y.clone()))
+
+    def on_block(i, h, out):
+        records["block"].setdefault(i, []).append((h.clone(), out.clone()))
+
+    with torch.no_grad(), capture_activations(model, get_adapter(model), on_attention, on_block):
+        logits = model(input_ids).logits
+    return records, logits
+
+
+def test_every_layer_is_captured_once_per_forward_and_hooks_are_removed():
+    model = tiny_model(layers=4)
+    ids = torch.randint(0, 97, (2, 16))
+    records, _ = capture_all(model, ids)
+    assert sorted(records["attn"]) == sorted(records["block"]) == [0, 1, 2, 3]
+    assert all(len(v) == 1 for v in records["attn"].values())
+    assert all(len(v) == 1 for v in records["block"].values())
+    # The captured tensors are the real ones: x is the layer's input norm of h, block i feeds block i+1.
+    for i in range(4):
+        h, x, _ = records["attn"][i][0]
+        torch.testing.assert_close(x, model.model.layers[i].input_layernorm(h))
+        if i:
+            torch.testing.assert_close(h, records["block"][i - 1][0][1])
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+
+
+def test_hooks_are_removed_when_the_forward_fails():
+    model = tiny_model(layers=2)
+
+    def boom(*args):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with capture_activations(model, get_adapter(model), boom, None):
+            model(torch.randint(0, 97, (1, 4)))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def random_linear(d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(d, d, generator=g) / d**0.5).numpy(), torch.randn(d, generator=g).numpy()
+
+
+def test_apply_nbl_attention_linear_drop_and_block_outputs():
+    model = tiny_model(layers=4)
+    ids = torch.randint(0, 97, (2, 12))
+    linear = {0: random_linear(32, 1), 3: random_linear(32, 2)}
+    apply_nbl(model, [ATTN_LINEAR, ATTN_DROP, KEEP, BLOCK_LINEAR], linear)
+    records, _ = capture_all(model, ids)
+    h, x, y = records["attn"][0][0]
+    w, b = (torch.from_numpy(a) for a in linear[0])
+    torch.testing.assert_close(y, x @ w.T + b, rtol=1e-5, atol=1e-5)  # attention -> W x + b
+    assert torch.count_nonzero(records["attn"][1][0][2]) == 0  # dropped attention -> 0
+    h3, out3 = records["block"][3][0]
+    w, b = (torch.from_numpy(a) for a in linear[3])
+    torch.testing.assert_close(out3, h3 @ w.T + b, rtol=1e-5, atol=1e-5)  # whole layer -> W h + b
+    assert 3 not in records["attn"]  # the block's attention no longer runs
+    # A dropped layer is exactly h + MLP(norm2(h)).
+    layer1 = model.model.layers[1]
+    h1, out1 = records["block"][1][0]
+    torch.testing.assert_close(out1, h1 + layer1.mlp(layer1.post_attention_layernorm(h1)))
+
+
+def test_apply_nbl_generation_with_kv_cache_matches_full_recompute():
+    # Linear layers keep no KV, yet layer 0's cache must still count positions for the others.
+    model = tiny_model(layers=3)
+    apply_nbl(model, {0: ATTN_LINEAR, 2: BLOCK_LINEAR}, {0: random_linear(32, 3), 2: random_linear(32, 4)})
+    ids = torch.randint(3, 97, (1, 5))
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+        full = ids
+        for _ in range(6):
+            nxt = model(full, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            full = torch.cat([full, nxt], dim=1)
+    assert torch.equal(cached, full)
+
+
+def test_apply_nbl_rejects_bad_layer_maps():
+    model = tiny_model(layers=2)
+    with pytest.raises(NblError, match="layer_types has 3 entries but the model has 2 layers"):
+        apply_nbl(model, [0, 0, 0])
+    with pytest.raises(NblError, match="layer 1 needs linear weights"):
+        apply_nbl(model, [0, ATTN_LINEAR])
+    with pytest.raises(NblError, match="unknown layer type 9"):
+        apply_nbl(model, {0: 9})
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import GPT2Config
+
+    with pytest.raises(NblError, match=r"unsupported architecture 'gpt2'.*supported model_type values: llama"):
+        get_adapter(GPT2Config())
+
+
+# --- end-to-end: the calibrate command on a saved tiny model ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calib")
+    texts = sample_texts(60, 40)
+    tokenizer = word_tokenizer(texts)
+    model = tiny_model(layers=3, vocab=len(tokenizer))
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return root
+
+
+def run_calibrate(*argv):
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    return calibrate.run(parser.parse_args([str(a) for a in argv]))
+
+
+def test_calibrate_end_to_end_artifact(tiny_checkpoint):
+    out = tiny_checkpoint / "artifact"
+    assert run_calibrate("--model", tiny_checkpoint / "model", "--dataset", tiny_checkpoint / "data.jsonl",
+                         "--nsamples", 8, "--seqlen", 32, "--batch-size", 3, "--m", 1, "-o", out) == 0
+    art = load_artifact(out)
+    report = art.report
+    assert (out / "scores.png").stat().st_size > 1000
+    assert report["model"]["num_layers"] == 3 and report["model"]["hidden_size"] == 32
+    assert report["data"]["tokens"] == 8 * 32 == report["statistics"]["tokens_per_layer"]
+    assert len(report["data"]["sha256"]) == 64
+    assert report["selection"] == {"method": "attn-nbl", "criterion": "cca", "m": 1,
+                                   "layers": art.select()}
+    assert set(report["timings_s"]) >= {"load_model", "load_data", "forward_and_statistics", "solve"}
+    for target in ("attn", "block"):
+        for criterion in ("cca", "nmse", "cosine"):
+            assert np.isfinite(art.scores(criterion, target)).all()
+    cca = art.scores("cca", "attn")
+    assert art.select(1) == [int(np.argmin(cca))]
+    assert art.layer_types(2, "nmse", "attn-drop").count(ATTN_DROP) == 2
+
+    # The stored maps are the LMMSE fits of the captured activations (independent numpy solve).
+    model = tiny_model(layers=3, vocab=len(word_tokenizer(sample_texts(60, 40))))
+    from nbl_gguf.data import iter_texts, build_windows
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint / "model")
+    windows = build_windows(tok, iter_texts(str(tiny_checkpoint / "data.jsonl")), 8, 32).input_ids
+    records, _ = capture_all(model, windows)
+    _, x, y = records["attn"][1][0]
+    x, y = x.reshape(-1, 32).double().numpy(), y.reshape(-1, 32).double().numpy()
+    coef, *_ = np.linalg.lstsq(np.hstack([x, np.ones((len(x), 1))]), y, rcond=None)
+    w, b = art.linear(1, "attn")
+    assert w.dtype == np.float32 and w.shape == (32, 32) and b.shape == (32,)
+    np.testing.assert_allclose(w, coef[:-1].T, atol=1e-4)
+    np.testing.assert_allclose(b, coef[-1], atol=1e-4)
+
+    # And the reference model built from the artifact reproduces W x + b in that layer.
+    apply_nbl(model, art.layer_types(), art)
+    records, _ = capture_all(model, windows[:1])
+    chosen = art.select()[0]
+    _, xc, yc = records["attn"][chosen][0]
+    wc, bc = art.linear(chosen)
+    torch.testing.assert_close(yc, xc @ torch.from_numpy(wc).T + torch.from_numpy(bc), rtol=1e-5, atol=1e-5)
+
+
+def test_calibrate_user_errors(tiny_checkpoint):
+    model, data = tiny_checkpoint / "model", tiny_checkpoint / "data.jsonl"
+    with pytest.raises(NblError, match="--m 4 is out of range: the model has 3 layers"):
+        run_calibrate("--model", model, "--dataset", data, "--m", 4, "--nsamples", 2, "--seqlen", 16)
+    with pytest.raises(NblError, match="only 16 calibration tokens for hidden size 32"):
+        run_calibrate("--model", model, "--dataset", data, "--nsamples", 1, "--seqlen", 16, "-o",
+                      tiny_checkpoint / "x")
+    empty = tiny_checkpoint / "empty.json"
+    empty.write_text("[]")
+    with pytest.raises(NblError, match="contains no text"):
+        run_calibrate("--model", model, "--dataset", empty, "-o", tiny_checkpoint / "x")
+
+
+def test_nan_activations_abort_calibration_naming_the_layer(tiny_checkpoint):
+    from nbl_gguf.calibrate import collect_statistics
+
+    model = tiny_model(layers=3)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[0, 0] = float("nan")
+    with pytest.raises(NblError, match=r"non-finite activations \(NaN/inf\) in layer 1 attention output"):
+        collect_statistics(model, get_adapter(model), torch.randint(0, 97, (2, 16)), 1, "cpu", "cpu",
+                           progress=False)
