@@ -1,0 +1,228 @@
+"""`inspect`: the NBL layer map of a GGUF (stock files too), its provenance, tensors and KV cache cost.
+
+Reads the file with gguf-py only (memory-mapped; no torch, no llama.cpp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+from nbl_gguf.errors import NblError
+from nbl_gguf.gguf_nbl import (
+    ATTENTION,
+    CALIBRATION_KEY,
+    CRITERION_KEY,
+    LAYER_TYPE_NAMES,
+    METHOD_KEY,
+    SCORES_KEY,
+    read_layer_types,
+)
+
+KV_BYTES = 2  # the KV cache is F16 by default in llama.cpp
+GGUF_MAGIC = b"GGUF"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="a GGUF file (NBL or stock)")
+    parser.add_argument("--json", action="store_true", help="print the description as JSON")
+    parser.add_argument("--tensors", action="store_true", help="also list every tensor")
+
+
+def open_gguf(path: str | os.PathLike):
+    import gguf
+
+    path = Path(path)
+    if not path.exists():
+        raise NblError(f"{path} does not exist")
+    if not path.is_file():
+        raise NblError(f"{path} is not a file")
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    if magic != GGUF_MAGIC:
+        raise NblError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as error:  # noqa: BLE001 - gguf-py raises assorted types for damaged files
+        raise NblError(f"{path} is not a readable GGUF file: {error}") from error
+
+
+def _field(reader, key, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _per_layer(value, n_layer: int) -> list[int]:
+    if isinstance(value, list):
+        return [int(v) for v in value]
+    return [int(value)] * n_layer
+
+
+def kv_bytes_per_layer(reader) -> list[int]:
+    """Bytes per token of each layer's K and V cache (F16) if the layer keeps its attention."""
+    arch = str(_field(reader, "general.architecture"))
+    n_layer = int(_field(reader, f"{arch}.block_count"))
+    n_embd = int(_field(reader, f"{arch}.embedding_length"))
+    n_head = _per_layer(_field(reader, f"{arch}.attention.head_count"), n_layer)
+    n_head_kv = _per_layer(_field(reader, f"{arch}.attention.head_count_kv", _field(reader, f"{arch}.attention.head_count")), n_layer)
+    result = []
+    for layer in range(n_layer):
+        head_dim = n_embd // n_head[layer] if n_head[layer] else 0
+        k_len = int(_field(reader, f"{arch}.attention.key_length", head_dim))
+        v_len = int(_field(reader, f"{arch}.attention.value_length", head_dim))
+        result.append(n_head_kv[layer] * (k_len + v_len) * KV_BYTES)
+    return result
+
+
+def kv_bytes_per_token(reader, layer_types=None) -> tuple[int, int]:
+    """(stock, this file) KV cache bytes per token: 2 * n_head_kv * head_dim * 2 bytes per attention layer."""
+    per_layer = kv_bytes_per_layer(reader)
+    types = layer_types if layer_types is not None else read_layer_types(reader)
+    stock = sum(per_layer)
+    if types is None:
+        return stock, stock
+    return stock, sum(b for b, t in zip(per_layer, types) if t == ATTENTION)
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else None
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """Everything `inspect` prints, as plain data."""
+    import gguf
+
+    path = Path(path)
+    reader = open_gguf(path)
+    if "general.architecture" not in reader.fields:
+        raise NblError(f"{path} has no general.architecture: not a model GGUF")
+    arch = str(_field(reader, "general.architecture"))
+    n_layer = int(_field(reader, f"{arch}.block_count", 0))
+    types = read_layer_types(reader)
+    scores = _field(reader, SCORES_KEY)
+    calibration = _field(reader, CALIBRATION_KEY)
+    if calibration is not None:
+        try:
+            calibration = json.loads(calibration)
+        except json.JSONDecodeError:
+            pass
+    file_type = _field(reader, "general.file_type")
+    try:
+        file_type_name = gguf.LlamaFileType(int(file_type)).name.replace("MOSTLY_", "").replace("ALL_", "")
+    except (TypeError, ValueError):
+        file_type_name = None if file_type is None else str(file_type)
+
+    layer_tensors: dict[int, list[dict]] = defaultdict(list)
+    tensors = []
+    by_type: dict[str, dict] = {}
+    for tensor in reader.tensors:
+        entry = {"name": tensor.name, "type": tensor.tensor_type.name,
+                 "shape": [int(n) for n in tensor.shape], "bytes": int(tensor.n_bytes)}
+        tensors.append(entry)
+        summary = by_type.setdefault(entry["type"], {"count": 0, "bytes": 0, "params": 0})
+        summary["count"] += 1
+        summary["bytes"] += entry["bytes"]
+        summary["params"] += int(tensor.n_elements)
+        layer = _layer_of(tensor.name)
+        if layer is not None:
+            layer_tensors[layer].append(entry)
+
+    kv_stock, kv_file = kv_bytes_per_token(reader, types)
+    layers = []
+    for layer in range(n_layer):
+        layer_type = ATTENTION if types is None else int(types[layer])
+        layers.append({
+            "index": layer,
+            "type": LAYER_TYPE_NAMES.get(layer_type, str(layer_type)),
+            "score": None if scores is None else float(scores[layer]),
+            "tensors": {t["name"].split(".", 2)[2]: t["type"] for t in layer_tensors.get(layer, [])},
+        })
+    attention_layers = sum(1 for entry in layers if entry["type"] == "attention")
+    return {
+        "file": str(path),
+        "file_bytes": path.stat().st_size,
+        "architecture": arch,
+        "name": _field(reader, "general.name"),
+        "file_type": file_type_name,
+        "nbl": types is not None,
+        "block_count": n_layer,
+        "embedding_length": _field(reader, f"{arch}.embedding_length"),
+        "method": _field(reader, METHOD_KEY),
+        "criterion": _field(reader, CRITERION_KEY),
+        "calibration": calibration,
+        "layers": layers,
+        "replaced": {name: sum(1 for e in layers if e["type"] == name) for name in ("linear", "dropped")},
+        "attention_layers": attention_layers,
+        "kv_bytes_per_token": {"stock": kv_stock, "file": kv_file},
+        "tensor_types": dict(sorted(by_type.items())),
+        "tensor_count": len(tensors),
+        "tensors": tensors,
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _is_attention_part(name: str) -> bool:
+    return name.startswith("attn_") and not name.startswith("attn_norm")
+
+
+def format_text(info: dict, with_tensors: bool = False) -> str:
+    out = []
+    out.append(f"file:          {info['file']}  ({human_bytes(info['file_bytes'])})")
+    out.append(f"model:         {info['name'] or '?'}  (architecture {info['architecture']}, file type {info['file_type']}, "
+               f"{info['block_count']} layers, n_embd {info['embedding_length']})")
+    if info["nbl"]:
+        rep = info["replaced"]
+        out.append(f"NBL:           {rep['linear'] + rep['dropped']} of {info['block_count']} attention layers replaced "
+                   f"({rep['linear']} linear, {rep['dropped']} dropped)")
+        out.append(f"method:        {info['method'] or '?'}    criterion: {info['criterion'] or '?'}")
+        calibration = info["calibration"]
+        if calibration is not None:
+            text = json.dumps(calibration, sort_keys=True) if not isinstance(calibration, str) else calibration
+            out.append(f"calibration:   {text}")
+    else:
+        out.append("NBL:           none (stock GGUF: every layer keeps its attention)")
+    kv = info["kv_bytes_per_token"]
+    ratio = kv["file"] / kv["stock"] if kv["stock"] else 1.0
+    out.append(f"KV cache:      {kv['file']:,} bytes/token (F16)  vs stock {kv['stock']:,}  ({ratio:.1%})")
+    out.append("")
+    out.append("layer  type       score     attention tensors (other tensors of the layer)")
+    for layer in info["layers"]:
+        score = "" if layer["score"] is None else f"{layer['score']:.4f}"
+        attn = [f"{name.removesuffix('.weight')}:{kind}" for name, kind in layer["tensors"].items() if _is_attention_part(name)]
+        other = sorted({kind for name, kind in layer["tensors"].items() if not _is_attention_part(name)})
+        out.append(f"{layer['index']:5d}  {layer['type']:<9s}  {score:<8s}  {' '.join(attn) or '-'}"
+                   f"  (+{len(layer['tensors']) - len(attn)} {'/'.join(other)})")
+    out.append("")
+    out.append(f"tensor types ({info['tensor_count']} tensors):")
+    out.append("  type      count      params        bytes")
+    for name, summary in info["tensor_types"].items():
+        out.append(f"  {name:<8s} {summary['count']:6d} {summary['params']:12,d} {human_bytes(summary['bytes']):>12s}")
+    if with_tensors:
+        out.append("")
+        out.append("tensors:")
+        for tensor in info["tensors"]:
+            shape = "x".join(str(n) for n in tensor["shape"])
+            out.append(f"  {tensor['name']:<32s} {tensor['type']:<7s} {shape:<14s} {human_bytes(tensor['bytes'])}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    info = describe(args.file)
+    if args.json:
+        if not args.tensors:
+            info = {k: v for k, v in info.items() if k != "tensors"}
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_text(info, with_tensors=args.tensors))
+    return 0
