@@ -1,0 +1,3 @@
+from nbl_gguf.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""The NBL layer of a GGUF file: per-layer types, the linear tensors, and the rewrite of a stock GGUF.
+
+The format is specified in docs/gguf-format.md; the patched llama.cpp (patches/) reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from nbl_gguf.errors import NblError
+
+ATTENTION = 0  # stock self-attention
+LINEAR = 1  # attention replaced by y = W x + b of the normed input
+DROPPED = 2  # attention removed: the block adds nothing
+LAYER_TYPE_NAMES = {ATTENTION: "attention", LINEAR: "linear", DROPPED: "dropped"}
+
+LAYER_TYPES_KEY = "{arch}.nbl.layer_types"
+# provenance, for `inspect` and for people; llama.cpp does not read these
+METHOD_KEY = "nbl.method"
+CRITERION_KEY = "nbl.criterion"
+SCORES_KEY = "nbl.scores"
+CALIBRATION_KEY = "nbl.calibration"
+
+NBL_WEIGHT = "blk.{layer}.attn_nbl.weight"
+NBL_BIAS = "blk.{layer}.attn_nbl.bias"
+# the tensors a replaced layer must not carry (weights and optional biases)
+ATTENTION_TENSOR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output")
+
+
+@dataclass
+class NblLayers:
+    """What replaces the attention of each layer: types[i] and, for LINEAR layers, (W [d, d], b [d])."""
+
+    types: Sequence[int]
+    linear: Mapping[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    method: str | None = None
+    criterion: str | None = None
+    scores: Sequence[float] | None = None
+    calibration: Mapping | None = None
+
+    def validate(self, n_layer: int, n_embd: int) -> None:
+        if len(self.types) != n_layer:
+            raise NblError(f"{len(self.types)} layer types given for a model of {n_layer} layers")
+        for layer, layer_type in enumerate(self.types):
+            if layer_type not in LAYER_TYPE_NAMES:
+                raise NblError(f"layer {layer}: unknown NBL layer type {layer_type} (0, 1 or 2)")
+            if (layer_type == LINEAR) != (layer in self.linear):
+                raise NblError(f"layer {layer}: linear weights must be given exactly for type-1 layers")
+        for layer, (weight, bias) in self.linear.items():
+            if weight.shape != (n_embd, n_embd) or bias.shape != (n_embd,):
+                raise NblError(
+                    f"layer {layer}: NBL weight {weight.shape} and bias {bias.shape} do not match n_embd={n_embd}"
+                )
+            if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+                raise NblError(f"layer {layer}: NBL weight or bias is not finite")
+        if self.scores is not None and len(self.scores) != n_layer:
+            raise NblError(f"{len(self.scores)} scores given for a model of {n_layer} layers")
+
+
+def is_attention_tensor(name: str, layer: int) -> bool:
+    return any(name.startswith(f"blk.{layer}.{stem}.") for stem in ATTENTION_TENSOR_STEMS)
+
+
+def read_layer_types(reader) -> list[int] | None:
+    """The layer types of an open GGUFReader, or None for a stock file."""
+    arch = str(reader.fields["general.architecture"].contents())
+    layer_types = reader.fields.get(LAYER_TYPES_KEY.format(arch=arch))
+    return None if layer_types is None else [int(v) for v in layer_types.contents()]
+
+
+def atomic_output(path: Path):
+    """A temporary path next to ``path``; call ``os.replace(tmp, path)`` once it is complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers, weight_type: str | None = None) -> Path:
+    """Rewrite the stock GGUF ``src`` into the NBL GGUF ``dst``.
+
+    Every key and tensor is copied, except the attention tensors of replaced layers; the layer-type
+    key, the provenance keys and the NBL tensors are added. ``weight_type`` ("F32", "F16", "BF16")
+    stores W; by default it follows the file's attn_output tensors, F32 when those are quantized.
+    Biases are always F32. The output appears only once it is complete.
+    """
+    import gguf
+
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve():
+        raise NblError(f"the NBL GGUF must not overwrite its source {src}")
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    if read_layer_types(reader) is not None:
+        raise NblError(f"{src} is already an NBL GGUF: start from the stock conversion")
+    n_layer = int(reader.fields[f"{arch}.block_count"].contents())
+    n_embd = int(reader.fields[f"{arch}.embedding_length"].contents())
+    layers.validate(n_layer, n_embd)
+    qtype = _weight_qtype(reader, weight_type)
+
+    tensors: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]] = []
+    emitted: set[int] = set()
+    for tensor in reader.tensors:
+        layer = _layer_of(tensor.name)
+        if layer is not None and layers.types[layer] != ATTENTION and is_attention_tensor(tensor.name, layer):
+            # the NBL tensors take the place of the first attention tensor, keeping the file's order
+            if layer not in emitted and layers.types[layer] == LINEAR:
+                weight, bias = layers.linear[layer]
+                tensors.append((NBL_WEIGHT.format(layer=layer), gguf.quants.quantize(weight.astype(np.float32), qtype), qtype))
+                tensors.append((NBL_BIAS.format(layer=layer), bias.astype(np.float32), gguf.GGMLQuantizationType.F32))
+            emitted.add(layer)
+            continue
+        tensors.append((tensor.name, tensor.data, tensor.tensor_type))
+    missing = [i for i, t in enumerate(layers.types) if t != ATTENTION and i not in emitted]
+    if missing:
+        raise NblError(f"{src} has no attention tensors for layers {missing}: is it a {arch} model?")
+
+    tmp = atomic_output(dst)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
+        for reader_field in reader.fields.values():
+            if reader_field.name == gguf.Keys.General.ARCHITECTURE or reader_field.name.startswith("GGUF."):
+                continue
+            value_type = reader_field.types[0]
+            sub_type = reader_field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(reader_field.name, reader_field.contents(), value_type, sub_type=sub_type)
+        writer.add_key_value(
+            LAYER_TYPES_KEY.format(arch=arch), [int(t) for t in layers.types],
+            gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32,
+        )
+        if layers.method:
+            writer.add_string(METHOD_KEY, layers.method)
+        if layers.criterion:
+            writer.add_string(CRITERION_KEY, layers.criterion)
+        if layers.scores is not None:
+            writer.add_key_value(
+                SCORES_KEY, [float(v) for v in layers.scores], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32
+            )
+        if layers.calibration is not None:
+            writer.add_string(CALIBRATION_KEY, json.dumps(layers.calibration, sort_keys=True))
+
+        for name, data, tensor_type in tensors:
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, data, _ in tensors:
+            writer.write_tensor_data(data, tensor_endianess=reader.endianess)
+        writer.close()
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dst
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def _weight_qtype(reader, weight_type: str | None):
+    import gguf
+
+    float_types = {"F32", "F16", "BF16"}
+    if weight_type is None:
+        for tensor in reader.tensors:
+            if tensor.name.endswith("attn_output.weight"):
+                weight_type = tensor.tensor_type.name if tensor.tensor_type.name in float_types else "F32"
+                break
+        else:
+            weight_type = "F32"
+    if weight_type.upper() not in float_types:
+        raise NblError(f"NBL weight type {weight_type!r} is not one of {sorted(float_types)}: quantize afterwards")
+    return gguf.GGMLQuantizationType[weight_type.upper()]
