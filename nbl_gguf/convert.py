@@ -1,0 +1,366 @@
+"""`convert`: HF model -> NBL GGUF in one command.
+
+    calibrate (or reuse --calibration)  ->  stock GGUF by the pinned llama.cpp converter (F32/F16)
+    ->  NBL rewrite (selected layers: attn-nbl = W x + b, attn-drop = nothing)  ->  llama-quantize
+
+Intermediate files live in a temp dir; the output appears only once complete (temp then rename),
+so an interrupted or failed run leaves no partial GGUF. The same inputs and seed give the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nbl_gguf.errors import NblError
+
+METHODS = ("attn-nbl", "attn-drop")
+CRITERIA = ("cca", "nmse", "cosine")
+FLOAT_OUTPUTS = ("F32", "F16", "BF16")
+DEFAULT_QUANT = "q4_k_m"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF folder or hub id of a Llama-family model (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--m", type=int, default=None,
+                        help="number of attention layers to replace (default: min(12, layers - 1))")
+    parser.add_argument("--quant", default=DEFAULT_QUANT,
+                        help="output type: any llama-quantize type (q4_k_m, q5_k_m, q8_0, ...) or f32/f16/bf16 "
+                             f"(default: {DEFAULT_QUANT})")
+    parser.add_argument("--method", default="attn-nbl",
+                        help="attn-nbl (attention -> W x + b) or attn-drop (attention removed); "
+                             "block-nbl is evaluated in PyTorch only")
+    parser.add_argument("--criterion", default="cca", choices=CRITERIA, help="score that selects the layers")
+    parser.add_argument("--dataset", default=None,
+                        help="calibration text: local .txt/.json/.jsonl/.parquet or a `datasets` hub name "
+                             "(default: bundled C4 sample)")
+    parser.add_argument("--dataset-config", default=None, help="hub dataset configuration")
+    parser.add_argument("--split", default="train", help="hub dataset split (default: train)")
+    parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
+    parser.add_argument("--nsamples", type=int, default=None, help="calibration windows (default: calibrate's)")
+    parser.add_argument("--seqlen", type=int, default=None, help="tokens per calibration window (default: calibrate's)")
+    parser.add_argument("--batch-size", type=int, default=1, help="calibration windows per forward pass")
+    parser.add_argument("--device", default="auto", help="calibration device: cuda, cuda:N or cpu")
+    parser.add_argument("--calibration", default=None, metavar="ARTIFACT",
+                        help="reuse a calibration artifact directory (from `calibrate`) instead of calibrating")
+    parser.add_argument("--save-calibration", default=None, metavar="DIR",
+                        help="keep the calibration artifact made by this run in DIR")
+    parser.add_argument("--imatrix", action="store_true",
+                        help="quantize with an importance matrix (llama-imatrix over the calibration text)")
+    parser.add_argument("--imatrix-chunks", type=int, default=64, help="imatrix chunks of 512 tokens (default: 64)")
+    parser.add_argument("--intermediate", default="f32", choices=["f32", "f16"],
+                        help="type of the stock conversion that is rewritten and quantized (default: f32)")
+    parser.add_argument("--threads", type=int, default=None, help="threads for llama-quantize / llama-imatrix")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("-o", "--output", default="model-nbl.gguf", help="output GGUF (default: model-nbl.gguf)")
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+def resolve_model_dir(model: str | None) -> Path:
+    """A local HF folder for ``model``: the embedded default, a folder, or a hub snapshot."""
+    from nbl_gguf import models
+
+    if model in (None, "", "default", "embedded"):
+        return models.default_model_dir()
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise NblError(f"--model {model} is a file: pass a HF model folder or a hub id")
+        return path
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise NblError(f"--model {model}: no such folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                             "*.jinja", "tokenizer*"]))
+    except Exception as error:  # noqa: BLE001 - offline, unknown repo, gated: all the same to the user
+        raise NblError(f"--model {model}: not a local folder, and the hub download failed "
+                       f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from error
+
+
+def model_shape(model_dir: Path) -> tuple[int, int]:
+    """(layers, hidden size) from config.json, so bad arguments fail before any heavy work."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise NblError(f"{model_dir} is not a HF model folder: it has no config.json")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    try:
+        return int(config["num_hidden_layers"]), int(config["hidden_size"])
+    except KeyError as error:
+        raise NblError(f"{config_path} has no {error.args[0]}") from error
+
+
+def check_method(method: str) -> str:
+    if method == "block-nbl":
+        raise NblError("--method block-nbl replaces whole decoder layers, which the NBL GGUF format does not "
+                       "represent: block-level NBL is evaluated in PyTorch only (calibrate / eval); "
+                       "use attn-nbl or attn-drop for a GGUF")
+    if method not in METHODS:
+        raise NblError(f"unknown --method '{method}' (use {', '.join(METHODS)})")
+    return method
+
+
+def check_quant(quant: str) -> str:
+    """The llama-quantize spelling of ``quant`` (f32/f16/bf16 need no tool)."""
+    if quant.upper() in FLOAT_OUTPUTS:
+        return quant.upper()
+    from nbl_gguf.quantize import normalize_quant
+
+    return normalize_quant(quant)
+
+
+def llama_cpp_commit() -> str | None:
+    from nbl_gguf.llamacpp import REPO_ROOT
+
+    cmake = REPO_ROOT / "CMakeLists.txt"
+    if cmake.is_file():
+        match = re.search(r'NBL_LLAMA_COMMIT\s+"([0-9a-f]+)"', cmake.read_text(encoding="utf-8"))
+        if match:
+            return match.group(1)
+    return None
+
+
+def provenance(artifact, model_dir: Path) -> dict:
+    """What the GGUF records about its calibration (no paths or timings: the bytes must be reproducible)."""
+    from nbl_gguf import __version__
+
+    report = artifact.report
+    data = dict(report.get("data", {}))
+    model = report.get("model", {})
+    return {
+        "model": model.get("name") or model_dir.name,
+        "model_type": model.get("model_type"),
+        "dtype": model.get("dtype"),
+        "dataset": data.get("dataset"),
+        "dataset_config": data.get("dataset_config"),
+        "split": data.get("split"),
+        "nsamples": data.get("nsamples"),
+        "seqlen": data.get("seqlen"),
+        "tokens": data.get("tokens"),
+        "documents": data.get("documents"),
+        "text_sha256": data.get("sha256"),
+        "seed": data.get("seed"),
+        "versions": {**report.get("versions", {}), "nbl_gguf": __version__, "llama.cpp": llama_cpp_commit()},
+    }
+
+
+def calibrate_into(directory: Path, model_dir: Path, args) -> Path:
+    """Run the calibrator (its Python entry point, same options as `calibrate`) into ``directory``."""
+    from nbl_gguf import calibrate
+
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    cargs = parser.parse_args([])
+    cargs.model = str(model_dir)
+    cargs.dataset = args.dataset
+    cargs.dataset_config = args.dataset_config
+    cargs.split = args.split
+    cargs.text_field = args.text_field
+    if args.nsamples is not None:
+        cargs.nsamples = args.nsamples
+    if args.seqlen is not None:
+        cargs.seqlen = args.seqlen
+    cargs.batch_size = args.batch_size
+    cargs.device = args.device
+    cargs.m = args.m
+    cargs.method = args.method
+    cargs.criterion = args.criterion
+    cargs.seed = args.seed
+    cargs.output = str(directory)
+    calibrate.run(cargs)
+    return directory
+
+
+def calibration_texts(args, artifact) -> list[str]:
+    """The calibration documents, for llama-imatrix."""
+    from nbl_gguf import data
+
+    report_data = artifact.report.get("data", {})
+    dataset = args.dataset
+    if args.calibration and dataset is None:
+        recorded = report_data.get("dataset")
+        dataset = None if recorded in (None, data.DEFAULT_DATASET) else recorded
+    texts = []
+    limit = report_data.get("documents")
+    for text in data.iter_texts(dataset, config=args.dataset_config, split=args.split, field=args.text_field):
+        texts.append(text)
+        if limit and len(texts) >= limit:
+            break
+    return texts
+
+
+# --- summary -----------------------------------------------------------------------------------
+
+@dataclass
+class Summary:
+    model: str
+    quant: str
+    method: str
+    criterion: str
+    n_layer: int
+    replaced: list[int]
+    scores: list[float]
+    stock_bytes: int
+    nbl_bytes: int
+    kv_stock: int
+    kv_nbl: int
+    output: Path
+    extra: dict = field(default_factory=dict)
+
+    def table(self) -> str:
+        from nbl_gguf.inspect import human_bytes
+
+        def change(before, after):
+            return f"{(after - before) / before:+.1%}" if before else ""
+
+        rows = [
+            ("", f"stock {self.quant}", f"NBL {self.quant}", "change"),
+            ("attention layers", str(self.n_layer), str(self.n_layer - len(self.replaced)), f"-{len(self.replaced)}"),
+            ("file size", human_bytes(self.stock_bytes), human_bytes(self.nbl_bytes),
+             change(self.stock_bytes, self.nbl_bytes)),
+            ("KV cache bytes/token (F16)", f"{self.kv_stock:,}", f"{self.kv_nbl:,}", change(self.kv_stock, self.kv_nbl)),
+            ("KV cache at 4096 tokens", human_bytes(self.kv_stock * 4096), human_bytes(self.kv_nbl * 4096),
+             change(self.kv_stock, self.kv_nbl)),
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [f"{self.model}: {self.method} by {self.criterion}, {len(self.replaced)} of {self.n_layer} layers "
+                 f"replaced: {', '.join(map(str, self.replaced)) or 'none'}"]
+        lines.append("  layer scores (" + self.criterion + "): "
+                     + ", ".join(f"{i}={self.scores[i]:.4f}" for i in self.replaced))
+        for index, row in enumerate(rows):
+            lines.append("  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                                          for i, (cell, w) in enumerate(zip(row, widths))))
+            if index == 0:
+                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines.append(f"  output: {self.output}")
+        return "\n".join(lines)
+
+
+# --- the pipeline ------------------------------------------------------------------------------
+
+def convert(args) -> Summary:
+    import gguf
+    from tqdm import tqdm
+
+    from nbl_gguf import gguf_nbl
+    from nbl_gguf.artifact import load_artifact
+    from nbl_gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf
+    from nbl_gguf.inspect import kv_bytes_per_token
+    from nbl_gguf.quantize import compute_imatrix, quantize
+
+    # cheap checks first: a typo must not cost a calibration
+    method = check_method(args.method)
+    quant = check_quant(args.quant)
+    output = Path(args.output)
+    if output.suffix.lower() != ".gguf":
+        raise NblError(f"-o {output}: the output name must end in .gguf")
+    if output.is_dir():
+        raise NblError(f"-o {output} is a directory")
+    model_dir = resolve_model_dir(args.model)
+    check_hf_folder(model_dir)
+    n_layer, hidden = model_shape(model_dir)
+    if args.m is not None and not 0 <= args.m <= n_layer:
+        raise NblError(f"--m {args.m} is out of range: {model_dir.name} has {n_layer} layers")
+    if args.calibration and not Path(args.calibration).is_dir():
+        raise NblError(f"--calibration {args.calibration}: no such artifact directory")
+
+    steps = ["calibrate" if not args.calibration else "load calibration", "stock conversion", "NBL rewrite"]
+    if quant not in FLOAT_OUTPUTS:
+        steps += (["imatrix"] if args.imatrix else []) + ["quantize stock", "quantize NBL"]
+    progress = tqdm(total=len(steps), desc="convert", unit="step", disable=args.no_progress, file=sys.stderr)
+
+    def step(name):
+        progress.set_postfix_str(name)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{output.name}.work-", dir=output.parent) as tmp:
+        tmp = Path(tmp)
+        # 1. calibration
+        step(steps[0])
+        if args.calibration:
+            artifact = load_artifact(args.calibration)
+        else:
+            target = Path(args.save_calibration) if args.save_calibration else tmp / "calibration"
+            artifact = load_artifact(calibrate_into(target, model_dir, args))
+        if artifact.num_layers != n_layer:
+            raise NblError(f"the calibration has {artifact.num_layers} layers but {model_dir.name} has {n_layer}: "
+                           f"it was made for another model")
+        artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
+        if artifact_hidden is not None and int(artifact_hidden) != hidden:
+            raise NblError(f"the calibration is for hidden size {artifact_hidden}, {model_dir.name} has {hidden}")
+        from nbl_gguf.calibrate import default_m
+
+        m = default_m(n_layer) if args.m is None else args.m
+        selected = sorted(artifact.select(m, args.criterion, method))
+        scores = [float(s) for s in artifact.scores(args.criterion, "attn")]
+        layer_type = gguf_nbl.LINEAR if method == "attn-nbl" else gguf_nbl.DROPPED
+        types = [layer_type if i in selected else gguf_nbl.ATTENTION for i in range(n_layer)]
+        linear = {i: artifact.linear(i, "attn") for i in selected if layer_type == gguf_nbl.LINEAR}
+        progress.update()
+
+        # 2. stock conversion
+        step(steps[1])
+        intermediate = quant.lower() if quant in FLOAT_OUTPUTS else args.intermediate
+        stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
+        progress.update()
+
+        # 3. NBL rewrite
+        step(steps[2])
+        layers = gguf_nbl.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion,
+                                    scores=scores, calibration=provenance(artifact, model_dir))
+        final_float = quant in FLOAT_OUTPUTS
+        nbl_path = output if final_float else tmp / f"nbl-{intermediate}.gguf"
+        gguf_nbl.write_nbl_gguf(stock, nbl_path, layers, weight_type=intermediate.upper())
+        progress.update()
+
+        # 4. quantization of both (the stock one only for the size comparison)
+        if final_float:
+            stock_final = stock
+        else:
+            imatrix = None
+            if args.imatrix:
+                step("imatrix")
+                imatrix = compute_imatrix(nbl_path, calibration_texts(args, artifact), tmp / "imatrix.gguf",
+                                          chunks=args.imatrix_chunks, threads=args.threads, seed=args.seed)
+                progress.update()
+            step("quantize stock")
+            stock_final = quantize(stock, tmp / f"stock-{quant}.gguf", quant, threads=args.threads)
+            progress.update()
+            step("quantize NBL")
+            quantize(nbl_path, output, quant, imatrix=imatrix, threads=args.threads)
+            progress.update()
+        progress.close()
+        _default_permissions(output)
+
+        stock_reader = gguf.GGUFReader(stock_final)
+        kv_stock, kv_nbl = kv_bytes_per_token(stock_reader, types)
+        return Summary(
+            model=artifact.report.get("model", {}).get("name") or model_dir.name, quant=quant, method=method,
+            criterion=args.criterion, n_layer=n_layer, replaced=selected, scores=scores,
+            stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
+            kv_stock=kv_stock, kv_nbl=kv_nbl, output=output,
+        )
+
+
+def _default_permissions(path: Path) -> None:
+    """Temp files are created 0600; the finished GGUF gets the usual 0666 & ~umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = convert(args)
+    print(summary.table())
+    return 0
