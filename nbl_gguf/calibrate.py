@@ -115,13 +115,23 @@ def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, 
 
 
 def solve_all(attn, block, progress: bool = True):
+    import torch
     from tqdm import tqdm
 
     from nbl_gguf.solve import fit
 
-    fits = []
-    for a, b in tqdm(list(zip(attn, block)), desc="solve", unit="layer", disable=not progress):
-        fits.append((fit(a.moments(), residual=True), fit(b.moments(), residual=False)))
+    # Multithreaded LAPACK eigh/svd on a small matrix gains little and, on a busy CPU, its spinning
+    # threads slowed it 10-200x in our measurements; one thread is fast and predictable there.
+    small_cpu = attn and attn[0].device.type == "cpu" and attn[0].sum_xx.shape[0] <= 1024
+    threads = torch.get_num_threads()
+    if small_cpu:
+        torch.set_num_threads(1)
+    try:
+        fits = []
+        for a, b in tqdm(list(zip(attn, block)), desc="solve", unit="layer", disable=not progress):
+            fits.append((fit(a.moments(), residual=True), fit(b.moments(), residual=False)))
+    finally:
+        torch.set_num_threads(threads)
     return fits
 
 
