@@ -182,20 +182,26 @@ def calibrate_into(directory: Path, model_dir: Path, args) -> Path:
     return directory
 
 
-def calibration_texts(args, artifact) -> list[str]:
-    """The calibration documents, for llama-imatrix."""
+def imatrix_context(artifact) -> int:
+    seqlen = int(artifact.report.get("data", {}).get("seqlen") or 512)
+    return max(32, min(512, seqlen))
+
+
+def calibration_texts(args, artifact, ctx: int) -> list[str]:
+    """The calibration documents for llama-imatrix: enough for --imatrix-chunks windows of ``ctx`` tokens
+    (llama-imatrix wants at least two windows), at most the whole source."""
     from nbl_gguf import data
 
-    report_data = artifact.report.get("data", {})
     dataset = args.dataset
     if args.calibration and dataset is None:
-        recorded = report_data.get("dataset")
+        recorded = artifact.report.get("data", {}).get("dataset")
         dataset = None if recorded in (None, data.DEFAULT_DATASET) else recorded
-    texts = []
-    limit = report_data.get("documents")
+    wanted_chars = 8 * ctx * (max(2, args.imatrix_chunks) + 1)  # ~4 characters per token, twice over
+    texts, chars = [], 0
     for text in data.iter_texts(dataset, config=args.dataset_config, split=args.split, field=args.text_field):
         texts.append(text)
-        if limit and len(texts) >= limit:
+        chars += len(text)
+        if chars >= wanted_chars:
             break
     return texts
 
@@ -331,8 +337,9 @@ def convert(args) -> Summary:
             imatrix = None
             if args.imatrix:
                 step("imatrix")
-                imatrix = compute_imatrix(nbl_path, calibration_texts(args, artifact), tmp / "imatrix.gguf",
-                                          chunks=args.imatrix_chunks, threads=args.threads, seed=args.seed)
+                ctx = imatrix_context(artifact)
+                imatrix = compute_imatrix(nbl_path, calibration_texts(args, artifact, ctx), tmp / "imatrix.gguf",
+                                          ctx=ctx, chunks=args.imatrix_chunks, threads=args.threads, seed=args.seed)
                 progress.update()
             step("quantize stock")
             stock_final = quantize(stock, tmp / f"stock-{quant}.gguf", quant, threads=args.threads)
@@ -361,6 +368,10 @@ def _default_permissions(path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+
+    # a plain `kill` must clean up like Ctrl-C: SystemExit unwinds through the temp dir's cleanup
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     summary = convert(args)
     print(summary.table())
     return 0

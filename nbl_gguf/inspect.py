@@ -172,6 +172,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def _display_order(item) -> tuple[str, bool]:
+    stem, _, suffix = item[0].rpartition(".")
+    return stem, suffix != "weight"
+
+
 def _is_attention_part(name: str) -> bool:
     return name.startswith("attn_") and not name.startswith("attn_norm")
 
@@ -199,7 +204,8 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
     out.append("layer  type       score     attention tensors (other tensors of the layer)")
     for layer in info["layers"]:
         score = "" if layer["score"] is None else f"{layer['score']:.4f}"
-        attn = [f"{name.removesuffix('.weight')}:{kind}" for name, kind in layer["tensors"].items() if _is_attention_part(name)]
+        attn = [f"{name.removesuffix('.weight')}:{kind}" for name, kind in sorted(layer["tensors"].items(), key=_display_order)
+                if _is_attention_part(name)]
         other = sorted({kind for name, kind in layer["tensors"].items() if not _is_attention_part(name)})
         out.append(f"{layer['index']:5d}  {layer['type']:<9s}  {score:<8s}  {' '.join(attn) or '-'}"
                    f"  (+{len(layer['tensors']) - len(attn)} {'/'.join(other)})")

@@ -66,12 +66,17 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, quant: str, *, imat
     tmp = atomic_output(dst)
     try:
         args = [*extra_args]
+        cwd = None
         if imatrix is not None:
-            args += ["--imatrix", str(imatrix)]
-        args += [str(src), str(tmp), qtype]
+            # llama-quantize records the imatrix path in the GGUF: run next to it and pass the bare
+            # name, so that the bytes do not depend on a temp dir's random name
+            imatrix = Path(imatrix).resolve()
+            cwd = str(imatrix.parent)
+            args += ["--imatrix", imatrix.name]
+        args += [str(src.resolve()), str(tmp.resolve()), qtype]
         if threads:
             args.append(str(threads))
-        run_tool("llama-quantize", args)
+        run_tool("llama-quantize", args, cwd=cwd)
         if not tmp.is_file() or tmp.stat().st_size == 0:
             raise NblError(f"llama-quantize wrote no output for {src}")
         os.replace(tmp, dst)
@@ -90,23 +95,23 @@ def compute_imatrix(model: str | os.PathLike, texts: Iterable[str] | str, output
     if not text.strip():
         raise NblError("no calibration text for the importance matrix")
     output = Path(output)
-    with tempfile.TemporaryDirectory(prefix="nbl-imatrix-") as tmpdir:
-        text_file = Path(tmpdir) / "calibration.txt"
-        text_file.write_text(text, encoding="utf-8")
-        tmp_out = Path(tmpdir) / "imatrix.gguf"
-        args = ["-m", str(model), "-f", str(text_file), "-o", str(tmp_out), "-c", str(ctx),
-                "--no-ppl", "--output-frequency", "1000000", "--seed", str(seed)]
-        if chunks:
-            args += ["--chunks", str(chunks)]
-        if threads:
-            args += ["-t", str(threads)]
-        run_tool("llama-imatrix", args)
-        if not tmp_out.is_file():
+    tmp_out = atomic_output(output)
+    try:
+        with tempfile.TemporaryDirectory(prefix="nbl-imatrix-") as tmpdir:
+            text_file = Path(tmpdir) / "calibration.txt"
+            text_file.write_text(text, encoding="utf-8")
+            # the text file's name is recorded in the imatrix: run next to it with the bare name
+            args = ["-m", str(Path(model).resolve()), "-f", text_file.name, "-o", str(tmp_out.resolve()),
+                    "--output-format", "gguf",
+                    "-c", str(ctx), "--no-ppl", "--output-frequency", "1000000", "--seed", str(seed)]
+            if chunks:
+                args += ["--chunks", str(chunks)]
+            if threads:
+                args += ["-t", str(threads)]
+            run_tool("llama-imatrix", args, cwd=tmpdir)
+        if not tmp_out.is_file() or tmp_out.stat().st_size == 0:
             raise NblError(f"llama-imatrix wrote no importance matrix for {model}")
-        final = atomic_output(output)
-        try:
-            os.replace(tmp_out, final)
-            os.replace(final, output)
-        finally:
-            final.unlink(missing_ok=True)
+        os.replace(tmp_out, output)
+    finally:
+        tmp_out.unlink(missing_ok=True)
     return output

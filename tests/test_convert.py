@@ -1,0 +1,367 @@
+"""convert / inspect / hf_to_gguf / quantize on a tiny random HF Llama (CPU, tens of seconds).
+
+The tiny model carries the embedded SmolLM2 tokenizer, which the pinned converter recognizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nbl_gguf import cli, gguf_nbl
+from nbl_gguf.errors import NblError
+from nbl_gguf.llamacpp import bin_dir, source_dir
+
+needs_converter = pytest.mark.skipif(not (source_dir() / "convert_hf_to_gguf.py").is_file(),
+                                     reason="pinned llama.cpp source not unpacked (scripts/build_llama.sh)")
+needs_quantize = pytest.mark.skipif(not (bin_dir() / "llama-quantize").is_file(),
+                                    reason="patched llama-quantize not built (scripts/build_llama.sh)")
+
+N_LAYER = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> Path:
+    """A tiny random LlamaForCausalLM (4 layers, d=64) with the SmolLM2 tokenizer, saved as a HF folder."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from nbl_gguf import models
+
+    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYER,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    path = tmp_path_factory.mktemp("tiny-hf") / "tiny-llama"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def convert_args(**overrides) -> argparse.Namespace:
+    from nbl_gguf import convert
+
+    parser = argparse.ArgumentParser()
+    convert.add_arguments(parser)
+    args = parser.parse_args([])
+    args.no_progress = True
+    args.nsamples, args.seqlen = 8, 64
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tiny_hf, tmp_path_factory) -> Path:
+    from nbl_gguf.convert import calibrate_into
+
+    out = tmp_path_factory.mktemp("calib") / "artifact"
+    return calibrate_into(out, tiny_hf, convert_args(model=str(tiny_hf), m=2))
+
+
+def listing(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+# --- hf_to_gguf ----------------------------------------------------------------------------------
+
+@needs_converter
+def test_stock_conversion_by_pinned_converter(tiny_hf, tmp_path):
+    import gguf
+
+    from nbl_gguf.hf_to_gguf import convert_hf_to_gguf
+
+    out = convert_hf_to_gguf(tiny_hf, tmp_path / "stock.gguf", "f16")
+    reader = gguf.GGUFReader(out)
+    assert str(reader.fields["general.architecture"].contents()) == "llama"
+    assert int(reader.fields["llama.block_count"].contents()) == N_LAYER
+    assert str(reader.fields["tokenizer.ggml.pre"].contents()) == "smollm"  # the converter's tokenizer handling
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == "F16" and types["blk.0.attn_norm.weight"] == "F32"
+    assert gguf_nbl.read_layer_types(reader) is None
+    assert listing(tmp_path) == {"stock.gguf"}
+
+
+def test_hf_to_gguf_rejects_non_model_folders(tmp_path):
+    from nbl_gguf.hf_to_gguf import convert_hf_to_gguf
+
+    with pytest.raises(NblError, match="does not exist"):
+        convert_hf_to_gguf(tmp_path / "missing", tmp_path / "x.gguf")
+    with pytest.raises(NblError, match="no config.json"):
+        convert_hf_to_gguf(tmp_path, tmp_path / "x.gguf")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(NblError, match="no \\*.safetensors"):
+        convert_hf_to_gguf(tmp_path, tmp_path / "x.gguf")
+    with pytest.raises(NblError, match="outtype"):
+        convert_hf_to_gguf(tmp_path, tmp_path / "x.gguf", "q4_k_m")
+
+
+@needs_converter
+def test_hf_to_gguf_converter_failure_is_a_clear_error(tmp_path):
+    from nbl_gguf.hf_to_gguf import convert_hf_to_gguf
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"not really")
+    with pytest.raises(NblError, match="converter failed"):
+        convert_hf_to_gguf(tmp_path, tmp_path / "out" / "x.gguf")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# --- quantize ------------------------------------------------------------------------------------
+
+@needs_quantize
+def test_quant_types_from_llama_quantize():
+    from nbl_gguf.quantize import normalize_quant, quant_types
+
+    types = quant_types()
+    assert {"Q4_K_M", "Q5_K_M", "Q8_0", "F16", "IQ4_XS"} <= set(types)
+    assert normalize_quant("q4_k_m") == "Q4_K_M"
+    with pytest.raises(NblError, match="unknown quantization type 'q9_z'.*q4_k_m"):
+        normalize_quant("q9_z")
+
+
+@needs_quantize
+def test_quantize_nbl_gguf(tmp_path):
+    import gguf
+
+    from nbl_gguf.quantize import quantize
+    from nbl_gguf.tiny import TinyLlama
+
+    # rows of 256 so that k-quants apply to every matrix
+    model = TinyLlama(n_layer=3, n_embd=256, n_head=4, n_head_kv=2, n_ff=512)
+    src = model.write_nbl_gguf(tmp_path / "nbl-f32.gguf", [0, 1, 2], model.random_linear([1]))
+    out = quantize(src, tmp_path / "nbl-q8.gguf", "q8_0")
+    reader = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.1.attn_nbl.weight"] == "Q8_0"
+    assert types["blk.1.attn_nbl.bias"] == "F32"
+    assert gguf_nbl.read_layer_types(reader) == [0, 1, 2]
+    assert listing(tmp_path) == {"nbl-f32.gguf", "nbl-q8.gguf"}
+
+
+# --- convert -------------------------------------------------------------------------------------
+
+@needs_quantize
+@needs_converter
+@pytest.mark.slow
+def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
+    """Calibrate + convert + rewrite + imatrix + q4_k_m, twice: byte-identical, no leftovers."""
+    import gguf
+
+    from nbl_gguf.convert import convert
+
+    outputs = []
+    for run in ("a", "b"):
+        out_dir = tmp_path / run
+        out_dir.mkdir()
+        summary = convert(convert_args(model=str(tiny_hf), m=2, quant="Q4_K_M", imatrix=True, imatrix_chunks=2,
+                                       seed=3, output=str(out_dir / "tiny-nbl.gguf")))
+        assert listing(out_dir) == {"tiny-nbl.gguf"}  # no temp dir, no partial files
+        outputs.append(out_dir / "tiny-nbl.gguf")
+    assert outputs[0].read_bytes() == outputs[1].read_bytes()
+
+    assert summary.n_layer == N_LAYER and len(summary.replaced) == 2
+    assert summary.kv_nbl * 2 == summary.kv_stock == N_LAYER * 2 * 2 * 16 * 2
+    assert summary.stock_bytes > summary.nbl_bytes > 0
+    table = summary.table()
+    assert "KV cache bytes/token" in table and "-50.0%" in table
+
+    reader = gguf.GGUFReader(outputs[0])
+    types = gguf_nbl.read_layer_types(reader)
+    assert [i for i, t in enumerate(types) if t == gguf_nbl.LINEAR] == summary.replaced
+    assert str(reader.fields[gguf_nbl.METHOD_KEY].contents()) == "attn-nbl"
+    calibration = json.loads(str(reader.fields[gguf_nbl.CALIBRATION_KEY].contents()))
+    assert calibration["seed"] == 3 and calibration["nsamples"] == 8 and calibration["seqlen"] == 64
+    assert int(reader.fields["general.file_type"].contents()) == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    assert "quantize.imatrix.file" in reader.fields
+    names = {t.name for t in reader.tensors}
+    for layer in summary.replaced:
+        assert f"blk.{layer}.attn_nbl.weight" in names and f"blk.{layer}.attn_q.weight" not in names
+
+
+@needs_converter
+def test_convert_reuses_calibration_attn_drop_f16(tiny_hf, tiny_artifact, tmp_path, capsys):
+    import gguf
+
+    from nbl_gguf.artifact import load_artifact
+
+    out = tmp_path / "drop.gguf"
+    code = cli.main(["convert", "--model", str(tiny_hf), "--calibration", str(tiny_artifact), "--m", "1",
+                     "--method", "attn-drop", "--criterion", "nmse", "--quant", "f16", "--no-progress", "-o", str(out)])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "attn-drop by nmse, 1 of 4 layers replaced" in stdout
+    artifact = load_artifact(tiny_artifact)
+    dropped = artifact.select(1, "nmse", "attn-drop")
+    reader = gguf.GGUFReader(out)
+    assert gguf_nbl.read_layer_types(reader) == [2 if i in dropped else 0 for i in range(N_LAYER)]
+    assert not any(t.name.startswith(f"blk.{dropped[0]}.attn_") and "norm" not in t.name for t in reader.tensors)
+    scores = list(reader.fields[gguf_nbl.SCORES_KEY].contents())
+    np.testing.assert_allclose(scores, artifact.scores("nmse"), rtol=1e-6)
+    assert {t.tensor_type.name for t in reader.tensors if t.name.endswith("attn_q.weight")} == {"F16"}
+    assert listing(tmp_path) == {"drop.gguf"}
+
+    # inspect shows the same map
+    assert cli.main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "1 of 4 attention layers replaced (0 linear, 1 dropped)" in text
+    assert "method:        attn-drop    criterion: nmse" in text
+    assert f"{dropped[0]:5d}  dropped" in text
+    assert "KV cache:      384 bytes/token (F16)  vs stock 512  (75.0%)" in text
+    assert cli.main(["inspect", "--json", str(out)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["replaced"] == {"linear": 0, "dropped": 1}
+    assert info["layers"][dropped[0]]["type"] == "dropped" and info["calibration"]["nsamples"] == 8
+    assert info["kv_bytes_per_token"] == {"stock": 512, "file": 384}
+
+
+@needs_converter
+def test_convert_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkeypatch):
+    """A failure (here: an interrupt while the NBL tensors are written) leaves no GGUF and no temp files."""
+    import gguf
+
+    from nbl_gguf.convert import convert
+
+    calls = {"n": 0}
+    original = gguf.GGUFWriter.write_tensor_data
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", interrupted)
+    out = tmp_path / "out" / "model.gguf"
+    (tmp_path / "out").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        convert(convert_args(model=str(tiny_hf), calibration=str(tiny_artifact), m=2, quant="f32", output=str(out)))
+    assert calls["n"] == 5
+    assert listing(tmp_path / "out") == set()
+
+
+@needs_quantize
+@needs_converter
+def test_convert_quantize_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkeypatch):
+    from nbl_gguf import quantize as quantize_module
+    from nbl_gguf.convert import convert
+
+    real = quantize_module.run_tool
+    calls = []
+
+    def failing(name, args, **kwargs):
+        calls.append(name)
+        if len(calls) == 2:  # the NBL quantization, after the stock one
+            Path(args[-2]).write_bytes(b"partial")
+            raise NblError("llama-quantize failed (exit 1): simulated")
+        return real(name, args, **kwargs)
+
+    monkeypatch.setattr(quantize_module, "run_tool", failing)
+    out = tmp_path / "model.gguf"
+    with pytest.raises(NblError, match="simulated"):
+        convert(convert_args(model=str(tiny_hf), calibration=str(tiny_artifact), m=2, quant="q8_0", output=str(out)))
+    assert listing(tmp_path) == set()
+
+
+def test_convert_bad_inputs(tiny_hf, tmp_path, capsys):
+    def fails(*argv) -> str:
+        assert cli.main(["convert", "--no-progress", "-o", str(tmp_path / "x.gguf"), *argv]) == 2
+        return capsys.readouterr().err
+
+    assert "block-level NBL is evaluated in PyTorch only" in fails("--model", str(tiny_hf), "--method", "block-nbl")
+    assert "unknown --method 'attn-foo'" in fails("--model", str(tiny_hf), "--method", "attn-foo")
+    if (bin_dir() / "llama-quantize").is_file():
+        assert "unknown quantization type 'q4_k_z'" in fails("--model", str(tiny_hf), "--quant", "q4_k_z")
+    assert "--m 9 is out of range: tiny-llama has 4 layers" in fails("--model", str(tiny_hf), "--m", "9", "--quant", "f16")
+    assert "no such folder" in fails("--model", str(tmp_path / "nowhere"), "--quant", "f16")
+    assert "no config.json" in fails("--model", str(tmp_path), "--quant", "f16")
+    assert "no such artifact" in fails("--model", str(tiny_hf), "--calibration", str(tmp_path / "none"), "--quant", "f16")
+    assert "must end in .gguf" in fails("--model", str(tiny_hf), "--quant", "f16", "-o", str(tmp_path / "x.bin"))
+    assert not (tmp_path / "x.gguf").exists()
+
+
+@needs_converter
+def test_convert_rejects_calibration_of_another_model(tiny_hf, tiny_artifact, tmp_path):
+    from nbl_gguf.convert import convert
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_hf, other)
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] = N_LAYER + 1
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NblError, match="calibration has 4 layers"):
+        convert(convert_args(model=str(other), calibration=str(tiny_artifact), m=1, quant="f16",
+                             output=str(tmp_path / "x.gguf")))
+    assert not (tmp_path / "x.gguf").exists()
+
+
+# --- inspect -------------------------------------------------------------------------------------
+
+def test_inspect_stock_and_nbl_tiny_gguf(tmp_path, capsys):
+    from nbl_gguf.inspect import describe
+    from nbl_gguf.tiny import TinyLlama
+
+    model = TinyLlama(n_layer=3, n_embd=64, n_head=4, n_head_kv=2)
+    stock = model.write_gguf(tmp_path / "stock.gguf")
+    info = describe(stock)
+    assert not info["nbl"] and info["attention_layers"] == 3
+    kv = 3 * 2 * 2 * 16 * 2
+    assert info["kv_bytes_per_token"] == {"stock": kv, "file": kv}
+    assert cli.main(["inspect", str(stock)]) == 0
+    text = capsys.readouterr().out
+    assert "stock GGUF: every layer keeps its attention" in text
+    assert "attn_k:F32 attn_output:F32 attn_q:F32 attn_v:F32" in text
+
+    nbl = tmp_path / "nbl.gguf"
+    gguf_nbl.write_nbl_gguf(stock, nbl, gguf_nbl.NblLayers(
+        types=[1, 0, 2], linear=model.random_linear([0]), method="attn-nbl", criterion="cca",
+        scores=[0.1, 0.5, 0.2], calibration={"model": "tiny", "seed": 7}))
+    info = describe(nbl)
+    assert [layer["type"] for layer in info["layers"]] == ["linear", "attention", "dropped"]
+    assert info["layers"][0]["tensors"]["attn_nbl.weight"] == "F32"
+    assert "attn_q.weight" not in info["layers"][0]["tensors"]
+    assert info["kv_bytes_per_token"] == {"stock": kv, "file": kv // 3}
+    assert info["calibration"] == {"model": "tiny", "seed": 7}
+    assert cli.main(["inspect", "--tensors", str(nbl)]) == 0
+    text = capsys.readouterr().out
+    assert "2 of 3 attention layers replaced (1 linear, 1 dropped)" in text
+    assert "    0  linear     0.1000    attn_nbl:F32 attn_nbl.bias:F32" in text
+    assert "    2  dropped    0.2000    -" in text
+    assert '"seed": 7' in text and "blk.0.attn_nbl.weight" in text
+
+
+def test_inspect_errors(tmp_path, capsys):
+    assert cli.main(["inspect", str(tmp_path / "missing.gguf")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "text.gguf").write_text("hello, not a gguf")
+    assert cli.main(["inspect", str(tmp_path / "text.gguf")]) == 2
+    assert "is not a GGUF file" in capsys.readouterr().err
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x05")
+    assert cli.main(["inspect", str(tmp_path / "cut.gguf")]) == 2
+    assert "not a readable GGUF" in capsys.readouterr().err
+
+
+def test_inspect_does_not_import_torch(tmp_path):
+    import subprocess
+    import sys
+
+    from nbl_gguf.tiny import TinyLlama
+
+    path = TinyLlama(n_layer=2).write_gguf(tmp_path / "stock.gguf")
+    code = ("import sys; from nbl_gguf import cli; cli.main(['inspect', sys.argv[1]]); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    root = Path(__file__).resolve().parent.parent
+    completed = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=root)
+    assert completed.returncode == 0, completed.stderr
