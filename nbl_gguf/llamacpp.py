@@ -40,7 +40,8 @@ def tool(name: str) -> Path:
 
 def run_tool(name: str, args: list[str], **kwargs) -> subprocess.CompletedProcess:
     """Run a llama.cpp tool; a non-zero exit becomes an NblError carrying the tool's last output."""
-    completed = subprocess.run([str(tool(name)), *map(str, args)], capture_output=True, text=True, **kwargs)
+    # generated text from a random test model need not be valid UTF-8
+    completed = subprocess.run([str(tool(name)), *map(str, args)], capture_output=True, text=True, errors="replace", **kwargs)
     if completed.returncode != 0:
         tail = "\n".join((completed.stdout + completed.stderr).strip().splitlines()[-15:])
         raise NblError(f"{name} failed (exit {completed.returncode}):\n{tail}")

@@ -18,10 +18,10 @@ from nbl_gguf.tiny import TinyLlama
 
 
 def run_cli(model: Path, prompt: str, n_predict: int) -> None:
-    command = [str(llamacpp.tool("llama-completion")), "-m", str(model), "-p", prompt, "-n", str(n_predict),
-               "--temp", "0", "-no-cnv", "--no-warmup"]
+    command = [str(llamacpp.tool("llama-cli")), "-m", str(model), "-p", prompt, "-n", str(n_predict),
+               "--temp", "0", "--single-turn", "--simple-io"]
     print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, stdin=subprocess.DEVNULL)
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ if [ ! -x "$python" ]; then
 fi
 # torch first and pinned: anything that depends on it must find it installed, or pip pulls CUDA wheels
 "$python" -c "import torch" 2>/dev/null || "${pip[@]}" torch==2.13.0
-"$python" -c "import nbl_gguf, pytest" 2>/dev/null || "${pip[@]}" -e ".[test]"
+(cd / && "$python" -c "import nbl_gguf, pytest") 2>/dev/null || "${pip[@]}" -e ".[test]"
 
 PYTHON=$python bash scripts/build_llama.sh
 

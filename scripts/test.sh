@@ -3,5 +3,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup.sh" --no-run
+# the unpatched libllama, for the test that a stock GGUF is unchanged by the patch
+cmake --build "${NBL_GGUF_BUILD:-$root/build}" --target llama-stock -j "$(nproc)"
 cd "$root"
 exec "$root/.venv/bin/python" -m pytest -q "$@"
