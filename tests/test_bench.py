@@ -1,0 +1,256 @@
+"""`bench`: roofline numbers, llama-bench parsing on a real run, the speed-up table, bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from nbl_gguf import bench, roofline
+from nbl_gguf.cli import main
+from nbl_gguf.errors import NblError
+from nbl_gguf.gguf_nbl import ATTENTION as A, DROPPED as D, LINEAR as L
+from nbl_gguf.tiny import TinyLlama
+
+# TinyLlama defaults: 3 layers, n_embd 64, 4 heads of 16, 2 KV heads, n_ff 96, vocab 3 + 256, F32, untied
+D_MODEL, HD, N_HEAD, N_KV, N_FF, VOCAB = 64, 16, 4, 2, 96, 259
+ATTN_PARAMS = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64  # q, k, v, o
+FFN_PARAMS = 3 * 96 * 64
+NORMS = 2 * 64  # attn_norm + ffn_norm of one layer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Stock and NBL (layer 1 linear) GGUFs of one tiny model, plus a dropped-layer variant."""
+    root = tmp_path_factory.mktemp("bench")
+    model = TinyLlama()
+    stock = model.write_gguf(root / "stock.gguf")
+    nbl = model.write_nbl_gguf(root / "nbl.gguf", [A, L, A], model.random_linear([1]))
+    dropped = model.write_nbl_gguf(root / "dropped.gguf", [A, D, D], {})
+    return {"model": model, "stock": stock, "nbl": nbl, "dropped": dropped, "root": root}
+
+
+# --- roofline ----------------------------------------------------------------------------------
+
+def test_roofline_costs_match_hand_computation(tiny):
+    stock = roofline.model_cost(tiny["stock"])
+    nbl = roofline.model_cost(tiny["nbl"])
+    embd = VOCAB * D_MODEL * 4
+    stock_total = 4 * (2 * VOCAB * D_MODEL + 3 * (ATTN_PARAMS + FFN_PARAMS + NORMS) + D_MODEL)
+    assert stock.total_bytes == stock_total
+    assert stock.n_vocab == VOCAB and not stock.tied_output
+    assert stock.token_embd_bytes == embd
+    assert stock.block_matmul_params == 3 * (ATTN_PARAMS + FFN_PARAMS)
+    assert stock.output_params == VOCAB * D_MODEL
+    assert stock.weight_bytes_per_token() == stock_total - embd + D_MODEL * 4
+    # K and V: 2 KV heads x (16 + 16) per attention layer, F16
+    assert stock.kv_bytes_per_token() == 3 * N_KV * 2 * HD * 2
+    assert stock.kv_bytes_per_token("f32") == 3 * N_KV * 2 * HD * 4
+    assert stock.attn_width == 3 * N_HEAD * 2 * HD
+
+    # layer 1: q/k/v/o (+ nothing else) -> W 64x64 (F32, the file's type) + bias 64
+    nbl_total = stock_total - 4 * ATTN_PARAMS + 4 * (D_MODEL * D_MODEL + D_MODEL)
+    assert nbl.total_bytes == nbl_total
+    assert nbl.block_matmul_params == 2 * ATTN_PARAMS + 3 * FFN_PARAMS + D_MODEL * D_MODEL
+    assert nbl.kv_bytes_per_token() == 2 * N_KV * 2 * HD * 2
+    assert nbl.attention_layers == 2 and nbl.is_nbl
+
+    depth, n = 100, 8
+    ctx = depth + n / 2
+    tg_stock = stock_total - embd + 4 * D_MODEL + 3 * 128 * ctx
+    tg_nbl = nbl_total - embd + 4 * D_MODEL + 2 * 128 * ctx
+    assert stock.tg_bytes(ctx) == pytest.approx(tg_stock)
+    assert roofline.predicted_speedup(stock, nbl, "tg", depth, n) == pytest.approx(tg_stock / tg_nbl)
+
+    n_prompt = 16
+    ctx = depth + n_prompt / 2
+    pp_stock = 2 * 3 * (ATTN_PARAMS + FFN_PARAMS) + 2 * VOCAB * D_MODEL / n_prompt + 4 * 3 * N_HEAD * HD * ctx
+    pp_nbl = (2 * (2 * ATTN_PARAMS + 3 * FFN_PARAMS + D_MODEL**2) + 2 * VOCAB * D_MODEL / n_prompt
+              + 4 * 2 * N_HEAD * HD * ctx)
+    assert stock.pp_flops(ctx, n_prompt) == pytest.approx(pp_stock)
+    assert roofline.predicted_speedup(stock, nbl, "pp", depth, n_prompt) == pytest.approx(pp_stock / pp_nbl)
+
+
+def test_roofline_dropped_layers_and_tied_output(tiny, tmp_path):
+    stock = roofline.model_cost(tiny["stock"])
+    dropped = roofline.model_cost(tiny["dropped"])
+    assert dropped.attention_layers == 1
+    assert dropped.block_matmul_params == ATTN_PARAMS + 3 * FFN_PARAMS
+    assert dropped.kv_bytes_per_token() == stock.kv_bytes_per_token() / 3
+    # a tied model (no output.weight) reads all of token_embd per generated token
+    model = TinyLlama()
+    tied = roofline.model_cost(model.write_gguf(tmp_path / "tied.gguf", skip_tensors={"output.weight"}))
+    assert tied.tied_output and tied.output_params == VOCAB * D_MODEL
+    assert tied.weight_bytes_per_token() == tied.total_bytes + D_MODEL * 4
+    # the speed-up grows with the context as the KV share grows
+    ratios = [roofline.predicted_speedup(stock, dropped, "tg", d, 1) for d in (0, 1000, 100000)]
+    assert ratios == sorted(ratios) and ratios[0] > 1
+
+
+# --- llama-bench -------------------------------------------------------------------------------
+
+@pytest.mark.llama
+def test_llama_bench_short_run_is_parsed(tiny):
+    records, command = bench.run_llama_bench(tiny["nbl"], n_prompt=16, n_gen=4, depth=8, repetitions=1, threads=1,
+                                             backend="cpu")
+    assert command[0] == "llama-bench" and "-dev" in command
+    assert [r["test"] for r in records] == ["pp", "tg"]
+    pp, tg = records
+    assert (pp["n_prompt"], pp["n_gen"], tg["n_prompt"], tg["n_gen"]) == (16, 0, 0, 4)
+    assert pp["depth"] == tg["depth"] == 8
+    for record in records:
+        assert record["avg_ts"] > 0 and len(record["samples_ts"]) == 1
+        assert record["n_gpu_layers"] == 0 and "CPU" in record["backends"]
+        # the measured KV cache: two attention layers of 2 x 2 heads x 16 F16 per cell
+        assert record["kv_layers"] == 2
+        assert record["kv_mib"] * 2**20 / record["kv_cells"] == pytest.approx(2 * 2 * 2 * 16 * 2, rel=0.05)
+
+
+def test_parse_bench_json_rejects_garbage():
+    with pytest.raises(NblError, match="no JSON"):
+        bench.parse_bench_json("error: something")
+    with pytest.raises(NblError, match="parse"):
+        bench.parse_bench_json("[{")
+
+
+# --- the ratio table ---------------------------------------------------------------------------
+
+def _record(label, test, depth, round_index, samples, backend="cpu"):
+    return {"backend": backend, "label": label, "test": test, "depth": depth, "round": round_index,
+            "n_prompt": 16 if test == "pp" else 0, "n_gen": 4 if test == "tg" else 0, "samples_ts": samples}
+
+
+def test_speedup_table_ratios_and_efficiency(tiny):
+    costs = {"stock": roofline.model_cost(tiny["stock"]), "nbl": roofline.model_cost(tiny["nbl"])}
+    measurements = [
+        _record("stock", "pp", 0, 0, [100.0, 100.0]), _record("nbl", "pp", 0, 0, [120.0, 120.0]),
+        _record("nbl", "pp", 0, 1, [150.0, 150.0]), _record("stock", "pp", 0, 1, [100.0, 100.0]),
+        _record("stock", "tg", 64, 0, [10.0]), _record("nbl", "tg", 64, 0, [11.0]),
+    ]
+    rows = bench.speedup_table(measurements, costs)
+    assert [(r.test, r.depth) for r in rows] == [("pp", 0), ("tg", 64)]
+    pp, tg = rows
+    assert pp.measured == pytest.approx(135.0 / 100.0)
+    assert (pp.ratio_min, pp.ratio_max) == pytest.approx((1.2, 1.5))
+    assert pp.predicted == pytest.approx(roofline.predicted_speedup(costs["stock"], costs["nbl"], "pp", 0, 16))
+    assert pp.efficiency == pytest.approx(pp.measured / pp.predicted)
+    assert tg.measured == pytest.approx(1.1) and tg.n_tokens == 4
+    assert tg.meets_target == (tg.efficiency >= 0.9)
+    text = bench.format_table(rows)
+    assert "pp16" in text and "tg4" in text and f"{pp.measured:.3f}" in text
+    with pytest.raises(NblError, match="no stock measurement"):
+        bench.speedup_table([_record("nbl", "pp", 0, 0, [1.0])], costs)
+
+
+def test_schedule_interleaves_and_alternates():
+    models = [bench.Candidate("stock", None), bench.Candidate("a", None), bench.Candidate("b", None)]
+    plan = [(r, d, c.label) for r, d, c in bench.schedule(models, [0, 512], rounds=2)]
+    assert plan[:3] == [(0, 0, "stock"), (0, 0, "a"), (0, 0, "b")]
+    assert plan[6:9] == [(1, 0, "b"), (1, 0, "a"), (1, 0, "stock")]
+    assert len(plan) == 12
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+def _args(**overrides):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_bad_inputs_are_clear_errors(tiny, tmp_path):
+    with pytest.raises(NblError, match="does not exist"):
+        bench.resolve_models(_args(baseline=str(tmp_path / "missing.gguf"), nbl=[str(tiny["nbl"])]))
+    not_gguf = tmp_path / "junk.gguf"
+    not_gguf.write_bytes(b"not a gguf at all")
+    with pytest.raises(NblError, match="not a GGUF"):
+        bench.resolve_models(_args(baseline=str(tiny["stock"]), nbl=[str(not_gguf)]))
+    other = TinyLlama(n_layer=4)
+    other_nbl = other.write_nbl_gguf(tmp_path / "other.gguf", [A, L, A, A], other.random_linear([1]))
+    with pytest.raises(NblError, match="not the same model.*block count"):
+        bench.resolve_models(_args(baseline=str(tiny["stock"]), nbl=[str(other_nbl)]))
+    wide = TinyLlama(n_embd=128)
+    wide_nbl = wide.write_nbl_gguf(tmp_path / "wide.gguf", [A, L, A], wide.random_linear([1]))
+    with pytest.raises(NblError, match="embedding length"):
+        bench.resolve_models(_args(baseline=str(tiny["stock"]), nbl=[str(wide_nbl)]))
+    with pytest.raises(NblError, match="baseline must be the stock"):
+        bench.resolve_models(_args(baseline=str(tiny["nbl"]), nbl=[str(tiny["nbl"])]))
+    with pytest.raises(NblError, match="is a stock GGUF"):
+        bench.resolve_models(_args(baseline=str(tiny["stock"]), nbl=[str(tiny["stock"])]))
+    # same model, another quantization
+    import gguf
+
+    f16 = tmp_path / "f16-nbl.gguf"
+    from nbl_gguf import gguf_nbl
+
+    model = tiny["model"]
+    stock16 = tmp_path / "stock16.gguf"
+    model.write_gguf(stock16, extra_kv={"general.file_type": (int(gguf.LlamaFileType.MOSTLY_F16),
+                                                              gguf.GGUFValueType.UINT32, None)})
+    gguf_nbl.write_nbl_gguf(stock16, f16, gguf_nbl.NblLayers([A, L, A], model.random_linear([1])))
+    with pytest.raises(NblError, match="quantized differently"):
+        bench.resolve_models(_args(baseline=str(tiny["stock"]), nbl=[str(f16)]))
+
+
+def test_argument_errors():
+    with pytest.raises(NblError, match="nothing to measure"):
+        bench.apply_presets(_args())
+    with pytest.raises(NblError, match="only one of"):
+        bench.apply_presets(_args(shape="llama-3.2-1b", model="embedded"))
+    with pytest.raises(NblError, match="both --baseline"):
+        bench.apply_presets(_args(baseline="x.gguf"))
+    with pytest.raises(NblError, match="KV cache type"):
+        bench.apply_presets(_args(shape="llama-3.2-1b", cache_type="q3"))
+    quick = _args(quick=True)
+    bench.apply_presets(quick)
+    assert quick.model == "embedded" and quick.depths == [0, 512] and quick.m == [8, 12]
+    from nbl_gguf import synthetic
+
+    with pytest.raises(NblError, match="unknown --shape"):
+        synthetic.get_shape("llama-99b")
+    with pytest.raises(NblError, match="out of range"):
+        synthetic.default_layers(synthetic.get_shape("llama-3.2-1b"), 16)
+    assert synthetic.default_layers(synthetic.get_shape("llama-3.2-1b"), 6) == [9, 10, 11, 12, 13, 14]
+
+
+def test_cli_reports_missing_file(tmp_path, capsys):
+    assert main(["bench", "--baseline", str(tmp_path / "none.gguf"), "--nbl", str(tmp_path / "n.gguf"),
+                 "--backends", "cpu"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# --- end to end --------------------------------------------------------------------------------
+
+@pytest.mark.llama
+def test_bench_end_to_end_on_tiny_models(tiny, tmp_path, capsys):
+    out = tmp_path / "results"
+    code = main(["bench", "--baseline", str(tiny["stock"]), "--nbl", str(tiny["nbl"]), str(tiny["dropped"]),
+                 "-p", "16", "-n", "4", "-d", "0,16", "-r", "1", "--rounds", "2", "-t", "1", "-o", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "roofline" in printed and "dropped" in printed
+    result = json.loads((out / "results.json").read_text())
+    assert {(r["model"], r["test"], r["depth"]) for r in result["speedups"]} == {
+        (m, t, d) for m in ("nbl", "dropped") for t in ("pp", "tg") for d in (0, 16)}
+    assert len(result["measurements"]) == 3 * 2 * 2 * 2  # models x depths x rounds x (pp, tg)
+    for name in ("measurements.csv", "speedups.csv", "kv_cache.csv", "speedup-cpu.png", "report.md"):
+        assert (out / name).is_file(), name
+    kv = {(r["model"], r["depth"]): r for r in result["kv_cache"]}
+    assert kv[("dropped", 0)]["vs_stock"] == pytest.approx(1 / 3)
+    assert kv[("nbl", 16)]["kv_layers"] == 2
+
+
+def test_nbl_layers_read_back_for_hf(tiny):
+    pytest.importorskip("torch")
+    from nbl_gguf.hf_bench import nbl_layers_from_gguf
+
+    types, linear = nbl_layers_from_gguf(tiny["nbl"])
+    want = tiny["model"].random_linear([1])
+    assert types == [A, L, A] and set(linear) == {1}
+    np.testing.assert_allclose(linear[1][0], want[1][0])
+    np.testing.assert_allclose(linear[1][1], want[1][1])
