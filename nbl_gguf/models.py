@@ -122,7 +122,7 @@ def default_model_dir() -> Path:
     if (target / "config.json").is_file():
         return target
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = embedded_gguf_path()
     folder, name = str(gguf.parent), gguf.name
@@ -144,6 +144,7 @@ def default_model_dir() -> Path:
     try:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        _check_reload(tmp, loaded, tokenizer)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -153,6 +154,19 @@ def default_model_dir() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _check_reload(folder: Path, reference, tokenizer) -> None:
+    """The cached folder is reused forever, so prove it reproduces the GGUF model before publishing it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected, got = reference.eval()(ids).logits, reloaded(ids).logits
+    if not torch.isfinite(got).all() or not torch.allclose(expected, got, atol=1e-4, rtol=1e-4):
+        raise NblError(f"the converted {EMBEDDED_NAME} checkpoint does not reproduce the GGUF model's logits")
 
 
 @dataclass

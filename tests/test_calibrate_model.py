@@ -203,3 +203,22 @@ def test_nan_activations_abort_calibration_naming_the_layer(tiny_checkpoint):
     with pytest.raises(NblError, match=r"non-finite activations \(NaN/inf\) in layer 1 attention output"):
         collect_statistics(model, get_adapter(model), torch.randint(0, 97, (2, 16)), 1, "cpu", "cpu",
                            progress=False)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_other_families_capture_and_apply(family):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"mistral": (MistralConfig, MistralForCausalLM),
+                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    ids = torch.randint(0, 97, (1, 10))
+    records, _ = capture_all(model, ids)
+    assert sorted(records["attn"]) == [0, 1] and all(len(v) == 1 for v in records["attn"].values())
+    apply_nbl(model, [ATTN_LINEAR, BLOCK_LINEAR], {0: random_linear(32, 5), 1: random_linear(32, 6)})
+    records, _ = capture_all(model, ids)
+    _, x, y = records["attn"][0][0]
+    w, b = (torch.from_numpy(a) for a in random_linear(32, 5))
+    torch.testing.assert_close(y, x @ w.T + b, rtol=1e-5, atol=1e-5)
