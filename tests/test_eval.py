@@ -1,0 +1,389 @@
+"""eval: llama-perplexity's perplexity, HellaSwag, Winogrande and binary multiple-choice paths on a tiny
+random GGUF, checked against an independent numpy computation (TinyLlama.forward) of the same rules
+as tools/perplexity/perplexity.cpp defines them; the output parsers; bad input."""
+
+from __future__ import annotations
+
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nbl_gguf import cli, gguf_nbl
+from nbl_gguf import eval as ev
+from nbl_gguf.errors import NblError
+from nbl_gguf.llamacpp import bin_dir
+from nbl_gguf.tiny import TinyLlama
+
+needs_perplexity = pytest.mark.skipif(not (bin_dir() / "llama-perplexity").is_file(),
+                                      reason="patched llama-perplexity not built (scripts/build_llama.sh)")
+
+BOS = 1
+THREADS = 1  # the tiny model gains nothing from more; on a busy CPU one thread is much faster
+SPACE = "\u2581"
+
+
+def tokenize(text: str) -> list[int]:
+    """The tiny vocab is <unk> <s> </s> + 256 byte tokens: llama.cpp's SPM tokenizer prefixes a space,
+    turns spaces into U+2581 and falls back to bytes (token 3 + byte); BOS first."""
+    return [BOS] + [3 + b for b in (SPACE + text.replace(" ", SPACE)).encode("utf-8")]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return TinyLlama(n_layer=3, n_embd=64, n_head=4, n_head_kv=2, n_ff=96, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny, tmp_path_factory) -> Path:
+    return tiny.write_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+class Reference:
+    """numpy log-probabilities of the tiny model, cached per token sequence."""
+
+    def __init__(self, model: TinyLlama, types=None, linear=None):
+        self.model, self.types, self.linear = model, types, linear
+        self.cache = {}
+
+    def logprobs(self, tokens) -> np.ndarray:
+        key = tuple(tokens)
+        if key not in self.cache:
+            self.cache[key] = log_softmax(self.model.forward(list(tokens), self.types, self.linear))
+        return self.cache[key]
+
+    def ending_scores(self, sequences) -> list[float]:
+        """HellaSwag / multiple-choice: mean log-prob of each sequence's tokens after the common prefix
+        (the first from the prefix's last position)."""
+        prefix = 0
+        while all(len(s) > prefix for s in sequences) and len({s[prefix] for s in sequences}) == 1:
+            prefix += 1
+        scores = []
+        for seq in sequences:
+            lp = self.logprobs(seq)
+            values = [lp[j, seq[j + 1]] for j in range(prefix - 1, len(seq) - 1)]
+            scores.append(float(np.mean(values)))
+        return scores
+
+    def winogrande_scores(self, row) -> tuple[float, float]:
+        """perplexity.cpp's winogrande_score, including its choice of the first logits (FIXME there)."""
+        seqs = [tokenize(row["first"] + c + row["second"]) for c in row["choices"]]
+        prefix = 0
+        while prefix < min(map(len, seqs)) and seqs[0][prefix] == seqs[1][prefix]:
+            prefix += 1
+        skip_choice = len(seqs[0]) - prefix > 3 and len(seqs[1]) - prefix > 3
+        scores = []
+        for s, seq in enumerate(seqs):
+            n_base = len(tokenize(row["first"] + row["choices"][s])) if skip_choice else prefix
+            last = 1 if len(seq) - n_base > 1 else 0
+            values = []
+            for j in range(n_base - 1, len(seq) - 1 - last):
+                lp = self.logprobs(seq)[j]
+                if s == 1 and j < prefix:  # the batch position the tool reads: the end of the first sequence
+                    lp = self.logprobs(seqs[0])[len(seqs[0]) - 1]
+                values.append(lp[seq[j + 1]])
+            scores.append(float(np.sum(values) / (len(seq) - n_base - last)))
+        return scores[0], scores[1]
+
+    def perplexity(self, tokens, n_ctx: int) -> tuple[float, float, int]:
+        first = n_ctx // 2
+        nll = []
+        for i in range(len(tokens) // n_ctx):
+            chunk = list(tokens[i * n_ctx:(i + 1) * n_ctx])
+            chunk[0] = BOS
+            lp = self.logprobs(chunk)
+            nll += [-lp[j, tokens[i * n_ctx + j + 1]] for j in range(first, n_ctx - 1)]
+        nll = np.array(nll)
+        ppl = math.exp(nll.mean())
+        return ppl, ppl * math.sqrt(nll.var() / (len(nll) - 1)), len(nll)
+
+
+WORDS = ("the cat dog sat ran on a mat hill red blue big small quickly slowly and then because it was "
+         "warm cold there home away").split()
+
+
+def sentence(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+# --- tokenizer sanity --------------------------------------------------------------------------
+
+@needs_perplexity
+def test_test_tokenizer_matches_llama_cpp(tiny_gguf):
+    tokens, bos = ev.llama_tokens(tiny_gguf, "the cat sat, on a mat")
+    assert tokens == tokenize("the cat sat, on a mat") and bos == BOS
+
+
+# --- perplexity --------------------------------------------------------------------------------
+
+@needs_perplexity
+@pytest.mark.parametrize("nbl", [False, True], ids=["stock", "nbl"])
+def test_perplexity_matches_numpy_chunking(tiny, tmp_path, nbl):
+    rng = np.random.default_rng(0)
+    text = sentence(rng, 120)
+    path = tmp_path / "text.txt"
+    path.write_text(text + "\n")  # llama.cpp's -f drops this newline
+    types, linear = None, None
+    gguf = tmp_path / "m.gguf"
+    if nbl:
+        types = [gguf_nbl.LINEAR, gguf_nbl.ATTENTION, gguf_nbl.DROPPED]
+        linear = tiny.random_linear([0])
+        tiny.write_nbl_gguf(gguf, types, linear)
+    else:
+        tiny.write_gguf(gguf)
+    n_ctx = 64
+    result = ev.perplexity(gguf, path, n_ctx=n_ctx, threads=THREADS)
+    tokens = tokenize(text)
+    ref = Reference(tiny, types, linear)
+    ppl, err, count = ref.perplexity(tokens, n_ctx)
+    assert result.chunks == len(tokens) // n_ctx and result.n_ctx == n_ctx and result.tokens == count
+    assert result.ppl == pytest.approx(ppl, rel=2e-4)
+    assert result.error == pytest.approx(err, rel=2e-3)
+    # eval's own chunking (used for PyTorch) gives the same numbers from the same log-probs
+    mine = ev.chunked_nll(ref.logprobs, tokens, n_ctx, bos=BOS)
+    assert mine.ppl == pytest.approx(ppl, rel=1e-12) and mine.error == pytest.approx(err, rel=1e-9)
+    assert mine.tokens == count
+
+
+@needs_perplexity
+def test_perplexity_text_too_short(tiny_gguf, tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("the cat sat")
+    with pytest.raises(NblError, match="need at least 128 tokens"):
+        ev.perplexity(tiny_gguf, path, n_ctx=64)
+
+
+# --- HellaSwag --------------------------------------------------------------------------------
+
+@needs_perplexity
+def test_hellaswag_matches_numpy(tiny, tiny_gguf, tmp_path):
+    rng = np.random.default_rng(1)
+    ref = Reference(tiny)
+    lines, expected, margins = [], 0, []
+    for task in range(10):
+        context = sentence(rng, 6)
+        endings = [sentence(rng, int(rng.integers(2, 5))) for _ in range(4)]
+        scores = ref.ending_scores([tokenize(context + " " + e) for e in endings])
+        best = int(np.argmax(scores))
+        margins.append(sorted(scores)[-1] - sorted(scores)[-2])
+        gold = best if task % 3 else (best + 1) % 4  # every task's decision matters
+        expected += gold == best
+        lines += [context, str(gold), *endings]
+    assert min(margins) > 1e-4  # the float32 tool and float64 numpy cannot disagree on these
+    path = tmp_path / "hellaswag.txt"
+    path.write_text("\n".join(lines) + "\n")
+    acc = ev.hellaswag(tiny_gguf, path, n_ctx=128, threads=THREADS)
+    assert acc.tasks == 10
+    assert acc.accuracy == pytest.approx(100 * expected / 10)
+    assert acc.ci95 == pytest.approx(ev._wilson(expected, 10), abs=1e-3)
+
+
+# --- Winogrande -------------------------------------------------------------------------------
+
+@needs_perplexity
+def test_winogrande_matches_numpy(tiny, tiny_gguf, tmp_path):
+    rng = np.random.default_rng(2)
+    ref = Reference(tiny)
+    rows, lines = [], []
+    for index in range(8):
+        first, second = sentence(rng, 4) + " ", " " + sentence(rng, int(rng.integers(1, 6)))
+        choices = (rng.choice(WORDS), rng.choice(WORDS[::-1]))
+        if index == 5:  # a short tail: the tool scores from the common prefix instead of after the choice
+            second = "."
+        row = {"first": first, "second": second, "choices": choices, "answer": int(rng.integers(1, 3))}
+        rows.append(row)
+        quoted = f'"{first}_{second}"' if index % 2 else f"{first}_{second}"
+        lines.append(f"{index},{quoted},{choices[0]},{choices[1]},{row['answer']}")
+    path = tmp_path / "winogrande.csv"
+    path.write_text("\n".join(lines) + "\n")
+    acc = ev.winogrande(tiny_gguf, path, n_ctx=128, threads=THREADS)
+    assert acc.tasks == 8  # the last row is scored too (eval feeds llama-perplexity a terminated copy)
+    correct = 0
+    for row, (s1, s2, result, answer) in zip(rows, acc.per_task):
+        r1, r2 = ref.winogrande_scores(row)
+        assert (s1, s2) == pytest.approx((r1, r2), abs=2e-4)
+        assert result == (1 if r1 > r2 else 2) and answer == row["answer"]
+        correct += result == answer
+    assert acc.accuracy == pytest.approx(100 * correct / 8)
+    assert acc.stderr == pytest.approx(ev._stderr(correct / 8, 8))
+
+
+def test_winogrande_reader_matches_perplexity_cpp():
+    text = ('0,"Sarah, not Maria, said _ won.",Sarah,Maria,2\n'
+            "1,no blank here,a,b,1\n"
+            "2,The _ sat.,cat,dog,3\n"
+            "3,too,few,commas\n"
+            "4,The _ ran.,cat,dog,1\n"
+            "5,unterminated _ last line,a,b,1")
+    rows, skipped = ev.winogrande_rows(text)
+    assert [(r["first"], r["second"], r["choices"], r["answer"]) for r in rows] == [
+        ("Sarah, not Maria, said ", " won.", ("Sarah", "Maria"), 2), ("The ", " ran.", ("cat", "dog"), 1)]
+    assert len(skipped) == 3  # no _, answer 3, too few commas; the unterminated last line is not read
+
+
+# --- binary multiple choice --------------------------------------------------------------------
+
+def test_multiple_choice_serializer_round_trip_and_layout():
+    tasks = [{"question": "Q one?", "answers": ["yes", "no"], "labels": [1, 0]},
+             {"question": "Q twö", "answers": ["a", "b", "c"], "labels": [0, 0, 1],
+              "mc2_answers": ["a"], "mc2_labels": [1]}]
+    data = ev.serialize_multiple_choice(tasks)
+    n_task, p0, p1 = struct.unpack_from("<3I", data)
+    assert n_task == 2 and p0 == 12
+    assert struct.unpack_from("<I", data, p0)[0] == len(b"Q one?") and data[p0 + 4:p0 + 10] == b"Q one?"
+    assert struct.unpack_from("<I", data, p1)[0] == len("Q twö".encode())
+    back = ev.read_multiple_choice(data)
+    assert back[0]["answers"] == ["yes", "no"] and back[0]["labels"] == [1, 0] and back[0]["mc2_answers"] == []
+    assert back[1]["question"] == "Q twö" and back[1]["mc2_labels"] == [1]
+
+
+@needs_perplexity
+def test_multiple_choice_matches_numpy(tiny, tiny_gguf, tmp_path):
+    rng = np.random.default_rng(3)
+    ref = Reference(tiny)
+    tasks, running, correct, margins = [], [], 0, []
+    for index in range(9):
+        question = sentence(rng, 5) + "?"
+        answers = [sentence(rng, int(rng.integers(1, 4))) for _ in range(int(rng.integers(2, 6)))]
+        scores = ref.ending_scores([tokenize(question + " " + a) for a in answers])
+        best = int(np.argmax(scores))
+        margins.append(sorted(scores)[-1] - sorted(scores)[-2])
+        gold = best if index % 2 else (best + 1) % len(answers)
+        labels = [int(i == gold) for i in range(len(answers))]
+        tasks.append({"question": question, "answers": answers, "labels": labels})
+        correct += gold == best
+        running.append(100 * correct / (index + 1))
+    assert min(margins) > 1e-4
+    path = ev.write_multiple_choice(tmp_path / "mc.bin", tasks)
+    acc = ev.multiple_choice(tiny_gguf, path, n_ctx=128, threads=THREADS)
+    assert acc.tasks == 9
+    assert acc.per_task == pytest.approx(running, abs=1e-6)  # task by task, in file order
+    assert acc.accuracy == pytest.approx(100 * correct / 9, abs=1e-3)
+    assert acc.stderr == pytest.approx(ev._stderr(correct / 9, 9), abs=1e-3)
+
+
+# --- parsers on canned output --------------------------------------------------------------------
+
+PPL_OUTPUT = """0.01.675.631 I perplexity: calculating perplexity over 3 chunks, n_ctx=128, batch_size=128, n_seq=1
+0.95 minutes
+       0  420.9165  6.042435  0.126143
+     128  403.0389  5.999033  0.080245
+     256  444.3008  6.096502  0.067298
+
+0.24.912.063 I Final estimate: PPL = 444.3008 +/- 29.90065
+"""
+
+
+def test_parse_perplexity():
+    result = ev.parse_perplexity(PPL_OUTPUT)
+    assert (result.ppl, result.error, result.chunks, result.n_ctx, result.tokens) == (444.3008, 29.90065, 3, 128, 189)
+    # the final line lost: the running line of the last chunk has the same numbers
+    lost = ev.parse_perplexity(PPL_OUTPUT.split("\n\n")[0])
+    assert lost.ppl == 444.3008 and lost.error == pytest.approx(444.3008 * 0.067298)
+    with pytest.raises(ev.IncompleteOutput):
+        ev.parse_perplexity(PPL_OUTPUT.split("     256")[0])
+    with pytest.raises(NblError, match="you need at least 1024 tokens"):
+        ev.parse_perplexity("0.01.6 E perplexity: you need at least 1024 tokens to evaluate perplexity with a "
+                            "context of 512\n")
+
+
+def test_parse_hellaswag():
+    out = ("hellaswag_score : selecting 3 randomized tasks.\n\ntask\tacc_norm\t95% confidence interval\n"
+           "1\t100.00000000%\t[20.6549%, 100.0000%]\n2\t50.00000000%\t[9.4531%, 90.5469%]\n"
+           "3\t66.66666667%\t[20.7660%, 93.8508%]\n\n")
+    acc = ev.parse_hellaswag(out)
+    assert (acc.accuracy, acc.tasks, acc.ci95) == (66.66666667, 3, (20.7660, 93.8508))
+    assert acc.ci95 == pytest.approx(ev._wilson(2, 3), abs=1e-4)
+    with pytest.raises(ev.IncompleteOutput, match="2 of 3"):
+        ev.parse_hellaswag(out.split("3\t66")[0])
+    with pytest.raises(NblError, match="multiple of 6"):
+        ev.parse_hellaswag("0.00.1 E hellaswag_score : number of lines in prompt not a multiple of 6.\n")
+
+
+def test_parse_winogrande():
+    lines = "".join(f"{i + 1}\t{100.0 * (i // 2 + 1) / (i + 1):.4f}\t  -5.855519   -5.815276  {1 + i % 2}  2\n"
+                    for i in range(4))
+    acc = ev.parse_winogrande("winogrande_score : loaded 4 tasks from prompt.\n" + lines)
+    assert acc.tasks == 4 and acc.accuracy == 50.0 and acc.stderr == pytest.approx(ev._stderr(0.5, 4))
+    assert acc.per_task[1] == (-5.855519, -5.815276, 2, 2)
+    final = ev.parse_winogrande("winogrande_score : loaded 4 tasks\n" + lines +
+                                "\nFinal Winogrande score(4 tasks): 50.0000 +/- 28.8675\n")
+    assert (final.accuracy, final.stderr) == (50.0, 28.8675)
+    with pytest.raises(ev.IncompleteOutput):
+        ev.parse_winogrande("winogrande_score : loaded 5 tasks from prompt.\n" + lines)
+
+
+def test_parse_multiple_choice():
+    out = ("multiple_choice_score : calculating TruthfulQA score over 2 tasks.\n\ntask\tacc_norm\n"
+           "1\t100.00000000\n2\t50.00000000\n\nFinal result: 50.0000 +/- 50.0000\nRandom chance: 40.0 +/- 1\n")
+    acc = ev.parse_multiple_choice(out)
+    assert (acc.accuracy, acc.stderr, acc.tasks, acc.per_task) == (50.0, 50.0, 2, [100.0, 50.0])
+    assert ev.parse_multiple_choice(out.split("\n\nFinal")[0]).stderr == pytest.approx(50.0)
+    with pytest.raises(NblError, match="failed to read task 2"):
+        ev.parse_multiple_choice("E multiple_choice_score: failed to read task 2 of 3\n")
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+def test_bad_task_files(tmp_path):
+    with pytest.raises(NblError, match="does not exist"):
+        ev.check_hellaswag(tmp_path / "missing.txt")
+    bad = tmp_path / "hs.txt"
+    bad.write_text("ctx\n1\na\nb\nc\n")
+    with pytest.raises(NblError, match="not a multiple of 6"):
+        ev.check_hellaswag(bad)
+    bad.write_text("ctx\nfour\na\nb\nc\nd\n")
+    with pytest.raises(NblError, match="gold ending index"):
+        ev.check_hellaswag(bad)
+    wino = tmp_path / "w.csv"
+    wino.write_text("index,sentence,option1,option2,answer\n1,no blank,a,b,1\n")
+    with pytest.raises(NblError, match="no valid Winogrande rows"):
+        ev.prepare_winogrande(wino, tmp_path)
+    mc = tmp_path / "mc.bin"
+    mc.write_bytes(ev.serialize_multiple_choice([{"question": "q", "answers": ["a", "b"], "labels": [1, 0]}])[:-6])
+    with pytest.raises(NblError, match="truncated|runs past"):
+        ev.check_multiple_choice(mc)
+    mc.write_text("this is not a binary task file at all\n")
+    with pytest.raises(NblError, match="multiple-choice format"):
+        ev.check_multiple_choice(mc)
+    with pytest.raises(NblError, match="empty question"):
+        ev.read_multiple_choice(ev.serialize_multiple_choice([{"question": "", "answers": ["a"], "labels": [1]}]))
+
+
+@needs_perplexity
+def test_cli_errors(tiny_gguf, tmp_path, capsys):
+    def fails(*argv) -> str:
+        assert cli.main(["eval", *argv]) == 2
+        return capsys.readouterr().err
+
+    assert "missing.gguf does not exist" in fails(str(tmp_path / "missing.gguf"))
+    assert "no GGUF files given" in fails()
+    bad = tmp_path / "hs.txt"
+    bad.write_text("only\nfive\nlines\nin\nhere\n")
+    assert "not a multiple of 6" in fails(str(tiny_gguf), "--hellaswag", str(bad))
+    assert "does not exist" in fails(str(tiny_gguf), "--winogrande", str(tmp_path / "nope.csv"))
+    assert "pass no GGUF files" in fails(str(tiny_gguf), "--sweep")
+
+
+@needs_perplexity
+def test_cli_table_and_json(tiny_gguf, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(sentence(np.random.default_rng(5), 60))
+    mc = ev.write_multiple_choice(tmp_path / "mc.bin", [{"question": "the cat", "answers": ["sat", "ran"],
+                                                          "labels": [1, 0]}])
+    out = tmp_path / "r.json"
+    assert cli.main(["eval", str(tiny_gguf), "--text", str(text), "-c", "64", "--multiple-choice", str(mc),
+                     "--json", str(out), "-t", str(THREADS)]) == 0
+    printed = capsys.readouterr().out
+    assert "| tiny.gguf |" in printed and "scored tokens" in printed
+    import json
+
+    result = json.loads(out.read_text())[0]
+    assert result["perplexity"]["n_ctx"] == 64 and result["multiple-choice"]["tasks"] == 1
