@@ -468,8 +468,10 @@ class Speedup:
 def speedup_table(measurements: list[dict], costs: dict[str, ModelCost], cache_type: str = "f16") -> list[Speedup]:
     """Every (backend, NBL model, test, depth) cell: measured ratio of mean t/s, roofline, and their ratio."""
     cells = aggregate(measurements)
+    order = {label: index for index, label in enumerate(costs)}
     rows = []
-    for (backend, label, test, depth), cell in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "pp", kv[0][3])):
+    for (backend, label, test, depth), cell in sorted(
+            cells.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], len(order)), kv[0][1], kv[0][2] != "pp", kv[0][3])):
         if label == "stock":
             continue
         stock = cells.get((backend, "stock", test, depth))
@@ -663,11 +665,13 @@ def report_markdown(result: dict, rows: list[Speedup], kv_rows: list[dict]) -> s
 
 def hf_markdown(hf: dict) -> str:
     rows = []
+    nan = float("nan")
     for entry in hf["rows"]:
-        rows.append([entry["model"], entry["engine"], entry["device"], f"{entry['prefill_tps']:.1f}",
-                     f"{entry['decode_tps']:.1f}"])
-    text = markdown_table(["model", "engine", "device", f"prefill t/s ({hf['n_prompt']} tokens)",
-                           f"decode t/s ({hf['n_gen']} tokens)"], rows)
+        rows.append([entry["model"], entry["engine"], entry["device"],
+                     f"{entry.get('prefill_tps', nan):.1f}", f"{entry.get('prefill_speedup', nan):.3f}",
+                     f"{entry.get('decode_tps', nan):.1f}", f"{entry.get('decode_speedup', nan):.3f}"])
+    text = markdown_table(["model", "engine", "device", f"prefill t/s ({hf['n_prompt']} tokens)", "vs stock",
+                           f"decode t/s ({hf['n_gen']} tokens)", "vs stock"], rows)
     return text + "\n\n" + hf.get("note", "")
 
 
