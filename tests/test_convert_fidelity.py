@@ -1,0 +1,136 @@
+"""Fidelity of the NBL GGUF on the embedded SmolLM2-135M-Instruct: the patched llama.cpp running the
+F32 NBL GGUF against the HF model with the same layers replaced in PyTorch (apply_nbl), on held-out
+C4 text; then the q4_k_m NBL GGUF generating through llama-completion and llama_cpp.Llama.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+
+import numpy as np
+import pytest
+
+from nbl_gguf import gguf_nbl
+from nbl_gguf.llamacpp import bin_dir, source_dir
+
+pytestmark = [
+    pytest.mark.llama,
+    pytest.mark.slow,
+    pytest.mark.skipif(not (bin_dir() / "llama-quantize").is_file() or not (source_dir() / "convert_hf_to_gguf.py").is_file(),
+                       reason="needs the patched llama.cpp build (scripts/build_llama.sh)"),
+]
+
+M = 8
+WINDOW = 256
+WINDOWS = 4
+PROMPT = "The capital of France is"
+
+
+def _args(**overrides) -> argparse.Namespace:
+    from nbl_gguf import convert
+
+    parser = argparse.ArgumentParser()
+    convert.add_arguments(parser)
+    args = parser.parse_args([])
+    args.no_progress = True
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """Calibration (tiny: 6 x 128 tokens; fidelity needs the same W on both sides, not a good W),
+    the F32 NBL GGUF and its q4_k_m quantization."""
+    pytest.importorskip("llama_cpp")
+    from nbl_gguf import models
+    from nbl_gguf.artifact import load_artifact
+    from nbl_gguf.convert import calibrate_into, convert
+    from nbl_gguf.quantize import quantize
+
+    root = tmp_path_factory.mktemp("fidelity")
+    model_dir = models.default_model_dir()
+    artifact_dir = calibrate_into(root / "calibration", model_dir,
+                                  _args(nsamples=6, seqlen=128, m=M, device="cpu"))
+    f32 = root / "nbl-f32.gguf"
+    summary = convert(_args(calibration=str(artifact_dir), m=M, quant="f32", output=str(f32)))
+    q4 = quantize(f32, root / "nbl-q4_k_m.gguf", "q4_k_m")
+    return load_artifact(artifact_dir), summary, f32, q4
+
+
+def _heldout_windows(tokenizer) -> list[list[int]]:
+    from nbl_gguf.data import heldout_texts
+
+    stream: list[int] = []
+    for text in reversed(heldout_texts()):  # the last documents of the bundled sample
+        if stream:
+            stream.append(tokenizer.eos_token_id)
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(stream) >= WINDOW * WINDOWS:
+            break
+    assert len(stream) >= WINDOW * WINDOWS
+    return [stream[i * WINDOW:(i + 1) * WINDOW] for i in range(WINDOWS)]
+
+
+def _nll(logits: np.ndarray, tokens: list[int]) -> np.ndarray:
+    logits = logits[:-1].astype(np.float64)
+    top = logits.max(axis=-1, keepdims=True)
+    logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
+    return logz - logits[np.arange(len(tokens) - 1), tokens[1:]]
+
+
+def test_f32_nbl_gguf_matches_pytorch_nbl(embedded):
+    import torch
+
+    from nbl_gguf import models, runtime
+    from nbl_gguf.apply import apply_nbl
+
+    artifact, summary, f32, _ = embedded
+    types = artifact.layer_types(M, "cca", "attn-nbl")
+    assert [i for i, t in enumerate(types) if t] == summary.replaced and len(summary.replaced) == M
+
+    loaded = models.load_model(None, "fp32", "cpu")
+    model = apply_nbl(loaded.model, types, artifact)
+    windows = _heldout_windows(loaded.tokenizer)
+
+    llm, kv = runtime.load_model(f32, n_ctx=WINDOW, logits_all=True, f32_kv=True)
+    assert kv is None or kv.layers == summary.n_layer - M
+    agree = total = 0
+    nll_hf, nll_gguf = [], []
+    for tokens in windows:
+        with torch.no_grad():
+            ref = model(torch.tensor([tokens])).logits[0].double().numpy()
+        got = runtime.logits(llm, tokens)
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        total += len(tokens)
+        nll_hf.append(_nll(ref, tokens))
+        nll_gguf.append(_nll(got, tokens))
+    ppl_hf = float(np.exp(np.concatenate(nll_hf).mean()))
+    ppl_gguf = float(np.exp(np.concatenate(nll_gguf).mean()))
+    print(f"top-1 agreement {agree / total:.4f} over {total} tokens; perplexity HF {ppl_hf:.4f} GGUF {ppl_gguf:.4f}")
+    assert agree / total >= 0.99
+    assert abs(ppl_gguf - ppl_hf) / ppl_hf <= 0.005
+
+
+def test_q4_k_m_nbl_gguf_generates(embedded):
+    import gguf
+
+    from nbl_gguf import runtime
+
+    _, summary, _, q4 = embedded
+    reader = gguf.GGUFReader(q4)
+    assert [i for i, t in enumerate(gguf_nbl.read_layer_types(reader)) if t == gguf_nbl.LINEAR] == summary.replaced
+
+    completion = subprocess.run(
+        [str(bin_dir() / "llama-completion"), "-m", str(q4), "-p", PROMPT, "-n", "12", "--temp", "0", "--seed", "0",
+         "-no-cnv", "--no-warmup", "-c", "256", "--no-display-prompt"],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert completion.returncode == 0, completion.stderr[-2000:]
+    assert completion.stdout.strip(), completion.stderr[-2000:]
+
+    llm, _ = runtime.load_model(q4, n_ctx=256)
+    out = llm.create_completion(PROMPT, max_tokens=12, temperature=0.0)
+    text = out["choices"][0]["text"]
+    assert text.strip() and out["usage"]["completion_tokens"] > 0
+    print(f"llama-completion: {completion.stdout.strip()!r}\nllama_cpp: {text!r}")
