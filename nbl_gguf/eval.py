@@ -630,7 +630,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"multiple-choice tasks are packed into (default: {DEFAULT_CTX})")
     parser.add_argument("--chunks", type=int, default=None, help="perplexity chunks (default: all the text)")
     parser.add_argument("-b", "--batch-size", type=int, default=None, help="llama-perplexity batch size")
-    parser.add_argument("-t", "--threads", type=int, default=None, help="llama.cpp threads")
+    parser.add_argument("-t", "--threads", type=int, default=None,
+                        help="llama.cpp threads (and PyTorch threads in the sweep; default: the tools' own)")
     parser.add_argument("--hellaswag", default=None, metavar="FILE", help="HellaSwag file (llama.cpp text format)")
     parser.add_argument("--hellaswag-tasks", type=int, default=None, help="HellaSwag tasks (default: all)")
     parser.add_argument("--winogrande", default=None, metavar="FILE", help="Winogrande CSV (llama.cpp format)")

@@ -309,6 +309,8 @@ def run_sweep(args) -> int:
                     from nbl_gguf.models import load_model
 
                     torch.manual_seed(0)
+                    if args.threads:
+                        torch.set_num_threads(args.threads)
                     loaded = load_model(str(model_dir), "fp32", "cpu")
                     tokens, bos = ev.llama_tokens(factory.stock, ev.prompt_text(text_file))
                 from nbl_gguf.apply import apply_nbl
