@@ -229,9 +229,10 @@ def run_sweep(args) -> int:
         if not 0 < m <= n_layer:
             raise NblError(f"--m {m} is out of range: {model_dir.name} has {n_layer} layers")
     task_files = ev._task_files(args)
-    work = Path(args.work)
+    # absolute: the pinned converter runs in its own directory (hf_to_gguf passes paths through)
+    work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out) if args.out else work
+    out = Path(args.out).resolve() if args.out else work
     out.mkdir(parents=True, exist_ok=True)
 
     if args.no_ppl:
@@ -373,7 +374,7 @@ def collect_rows(main, criteria, quants, results, torch_results, kv, task_files)
                 seen.add((group, config.key, "pytorch"))
                 rows.append({**common, "backend": "pytorch", "quant": "f32", "ppl": torch_result["ppl"],
                              "ppl_err": torch_result["error"], "tokens": torch_result["tokens"]})
-            for quant in (["F32"] if config.method == "baseline" else []) + quants:
+            for quant in (["F32"] if config.method == "baseline" else []) + (quants if config.gguf else []):
                 result = results.get((config.key, quant))
                 if result is None or (group, config.key, quant) in seen:
                     continue
@@ -573,7 +574,12 @@ def plot(path: Path, rows, quants, task_files, setup) -> None:
                         if r["m"]:
                             ax.annotate(str(r["m"]), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6)
             if metric == "ppl":
+                from matplotlib.ticker import FormatStrFormatter
+
                 ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+                ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+                ax.tick_params(axis="y", which="minor", labelsize=6)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3, which="both")

@@ -387,3 +387,56 @@ def test_cli_table_and_json(tiny_gguf, tmp_path, capsys):
 
     result = json.loads(out.read_text())[0]
     assert result["perplexity"]["n_ctx"] == 64 and result["multiple-choice"]["tasks"] == 1
+
+
+# --- sweep report (synthetic numbers: the sweep itself needs minutes of conversions) -----------------
+
+def test_sweep_report_files(tmp_path):
+    from nbl_gguf import sweep
+
+    main = [sweep.Config("baseline", 0, "cca")]
+    for m, layers in ((1, [2]), (2, [1, 2])):
+        main += [sweep.Config("attn-nbl", m, "cca", layers), sweep.Config("attn-drop", m, "cca", layers),
+                 sweep.Config("block-nbl", m, "cca", layers[::-1][:m])]
+    criteria = [sweep.Config("attn-nbl", 2, c, layers) for c, layers in
+                (("cca", [1, 2]), ("nmse", [0, 2]), ("cosine", [0, 1]))]
+    quants = ["Q8_0", "Q4_K_M"]
+    results, torch_results = {}, {}
+    for i, config in enumerate(main + criteria):
+        ppl = 10.0 * (1 + 0.1 * config.m * (3 if config.method == "attn-drop" else 1)) + i * 0.01
+        torch_results[config.key] = {"ppl": ppl, "error": 0.1, "chunks": 2, "n_ctx": 64, "tokens": 62}
+        for quant in ["F32"] + quants:
+            results[(config.key, quant)] = {
+                "perplexity": {"ppl": ppl * (1.01 if quant == "Q4_K_M" else 1.0), "error": 0.1, "chunks": 2,
+                               "n_ctx": 64, "tokens": 62},
+                "winogrande": {"accuracy": 60.0 - config.m, "tasks": 10, "stderr": 5.0, "ci95": [50.2, 69.8],
+                               "printed_ci": False},
+                "bench": {"pp": [100.0 * (1 + 0.1 * config.m), 5.0], "tg": [20.0 * (1 + 0.05 * config.m), 1.0]},
+            }
+
+    def kv(config):
+        return 4 * 128, 128 * (4 - len(config.layers))
+
+    task_files = {"winogrande": (tmp_path / "w.csv", None)}
+    rows = sweep.collect_rows(main, criteria, quants, results, torch_results, kv, task_files)
+    drop2 = next(r for r in rows if r["config"] == "Attn DROP-2" and r["quant"] == "q8_0")
+    assert drop2["kv_saving"] == 0.5 and drop2["speedup_tg"] == pytest.approx(1.1)
+    assert not any(r["method"] == "block-nbl" and r["backend"] == "llama.cpp" for r in rows)
+    setup = {"command": "python -m nbl_gguf eval --sweep", "model": "tiny", "n_layer": 4,
+             "artifact": {"data": {"nsamples": 8, "seqlen": 64, "tokens": 512, "dataset": "x"}},
+             "text": "held-out", "ctx": 64, "chunks": 2, "tokens": 62, "criterion": "cca",
+             "bench_args": "-p 8", "machine": "test", "elapsed_min": 0.1}
+    md = tmp_path / "quality.md"
+    md.write_text(f"old\n{sweep.NOTES_BEGIN}\nkeep me\n{sweep.NOTES_END}\n")
+    sweep.write_markdown(md, rows, setup, main, criteria, quants, task_files)
+    sweep.write_csv(tmp_path / "quality.csv", rows)
+    sweep.plot(tmp_path / "quality.png", rows, quants, task_files, setup)
+    text = md.read_text()
+    assert "| Attn DROP-2 | 1 2 | 50.0% |" in text and "n/a (PyTorch only)" in text and "keep me" in text
+    assert "| nmse | 0 2 |" in text and "python -m nbl_gguf eval --sweep" in text
+    import csv
+
+    with open(tmp_path / "quality.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == len(rows) and {"ppl", "speedup_tg", "winogrande_acc"} <= set(table[0])
+    assert (tmp_path / "quality.png").stat().st_size > 10_000
