@@ -1,6 +1,6 @@
 """Fidelity of the NBL GGUF on the embedded SmolLM2-135M-Instruct: the patched llama.cpp running the
 F32 NBL GGUF against the HF model with the same layers replaced in PyTorch (apply_nbl), on held-out
-C4 text; then the q4_k_m NBL GGUF generating through llama-completion and llama_cpp.Llama.
+C4 text; then the q4_k_m NBL GGUF generating through llama-completion, llama-cli and llama_cpp.Llama.
 """
 
 from __future__ import annotations
@@ -123,14 +123,22 @@ def test_q4_k_m_nbl_gguf_generates(embedded):
     assert [i for i, t in enumerate(gguf_nbl.read_layer_types(reader)) if t == gguf_nbl.LINEAR] == summary.replaced
 
     completion = subprocess.run(
-        [str(bin_dir() / "llama-completion"), "-m", str(q4), "-p", PROMPT, "-n", "12", "--temp", "0", "--seed", "0",
+        [str(bin_dir() / "llama-completion"), "-m", str(q4), "-p", PROMPT, "-n", "8", "--temp", "0", "--seed", "0",
          "-no-cnv", "--no-warmup", "-c", "256", "--no-display-prompt"],
         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert completion.returncode == 0, completion.stderr[-2000:]
     assert completion.stdout.strip(), completion.stderr[-2000:]
 
+    cli = subprocess.run(
+        [str(bin_dir() / "llama-cli"), "-m", str(q4), "-p", "What is the capital of France?", "-n", "8", "--temp", "0",
+         "--single-turn", "--simple-io", "--no-warmup", "-c", "256"],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    answer = cli.stdout.split("What is the capital of France?", 1)[-1]
+    assert answer.strip(), cli.stdout[-2000:]
+
     llm, _ = runtime.load_model(q4, n_ctx=256)
-    out = llm.create_completion(PROMPT, max_tokens=12, temperature=0.0)
+    out = llm.create_completion(PROMPT, max_tokens=8, temperature=0.0)
     text = out["choices"][0]["text"]
     assert text.strip() and out["usage"]["completion_tokens"] > 0
-    print(f"llama-completion: {completion.stdout.strip()!r}\nllama_cpp: {text!r}")
+    print(f"llama-completion: {completion.stdout.strip()!r}\nllama-cli: {answer.strip()!r}\nllama_cpp: {text!r}")
