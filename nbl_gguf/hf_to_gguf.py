@@ -56,7 +56,8 @@ def convert_hf_to_gguf(model_dir: str | os.PathLike, outfile: str | os.PathLike,
     outfile = Path(outfile)
     outfile.parent.mkdir(parents=True, exist_ok=True)
     tmp = outfile.with_name(f".{outfile.name}.converting.gguf")
-    command = [sys.executable, str(script), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)]
+    # absolute paths: the converter runs in its own directory
+    command = [sys.executable, str(script), str(model_dir.resolve()), "--outtype", outtype, "--outfile", str(tmp.resolve())]
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)  # always the pinned tree's gguf-py
     env.setdefault("PYTHONIOENCODING", "utf-8")

@@ -78,12 +78,17 @@ def listing(directory: Path) -> set[str]:
 # --- hf_to_gguf ----------------------------------------------------------------------------------
 
 @needs_converter
-def test_stock_conversion_by_pinned_converter(tiny_hf, tmp_path):
+def test_stock_conversion_by_pinned_converter(tiny_hf, tmp_path, monkeypatch):
+    import os
+
     import gguf
 
     from nbl_gguf.hf_to_gguf import convert_hf_to_gguf
 
-    out = convert_hf_to_gguf(tiny_hf, tmp_path / "stock.gguf", "f16")
+    # relative paths work although the converter runs in its own directory
+    monkeypatch.chdir(tmp_path)
+    out = convert_hf_to_gguf(os.path.relpath(tiny_hf, tmp_path), "stock.gguf", "f16")
+    assert out == Path("stock.gguf") and out.is_file()
     reader = gguf.GGUFReader(out)
     assert str(reader.fields["general.architecture"].contents()) == "llama"
     assert int(reader.fields["llama.block_count"].contents()) == N_LAYER
