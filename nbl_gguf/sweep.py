@@ -189,6 +189,26 @@ class GgufFactory:
             (self.directory / f"{config.key}-f32.gguf").unlink(missing_ok=True)
 
 
+def bench_pair(baseline: Path, model: Path, bench_args: str, threads: int | None) -> dict:
+    """llama-bench of the baseline and the model in one process: {"baseline": ..., "model": ...}."""
+    from nbl_gguf.llamacpp import run_tool
+
+    args = ["-m", str(baseline), "-m", str(model), *shlex.split(bench_args), "-o", "json"]
+    if threads:
+        args += ["-t", str(threads)]
+    done = run_tool("llama-bench", args)
+    try:
+        entries = json.loads(done.stdout)
+    except json.JSONDecodeError as error:
+        raise NblError(f"llama-bench printed no JSON for {model.name}: {error}") from error
+    result = {"baseline": {}, "model": {}}
+    for entry in entries:
+        who = "baseline" if Path(entry["model_filename"]).resolve() == baseline.resolve() else "model"
+        kind = "tg" if entry.get("n_gen", 0) else "pp"
+        result[who][kind] = (float(entry["avg_ts"]), float(entry["stddev_ts"]))
+    return result
+
+
 def bench(gguf: Path, bench_args: str, threads: int | None) -> dict:
     """llama-bench tokens/s: {"pp": (avg, std), "tg": (avg, std)}."""
     from nbl_gguf.llamacpp import run_tool
@@ -285,14 +305,28 @@ def run_sweep(args) -> int:
                 cached["file_bytes"] = path.stat().st_size
                 cache.put(key, cached)
             results[(config.key, quant)] = dict(cached)
-            if not args.no_bench and quant != "F32":
-                key = f"bench|{calib_tag}|{config.key}|{quant}|{args.bench_args}|{args.threads}"
-                speed = cache.get(key)
-                if speed is None:
-                    _log(f"[{done}/{total}] llama-bench {config.label} ({config.criterion}) {quant}")
-                    speed = cache.put(key, bench(factory.path(config, quant), args.bench_args, args.threads))
-                results[(config.key, quant)]["bench"] = speed
         factory.drop_intermediates(config)
+
+    # speed: each GGUF in one llama-bench process with its baseline, back to back, so that the ratio
+    # sees the same machine load (timings on a shared CPU drift by tens of percent over minutes)
+    if not args.no_bench:
+        baseline = main[0]
+        pairs = [(c, q) for c, qs in jobs.values() if c.method != "baseline" for q in qs]
+        base_runs: dict[str, list] = {}
+        for index, (config, quant) in enumerate(pairs, 1):
+            key = f"bench-pair|{calib_tag}|{config.key}|{quant}|{args.bench_args}|{args.threads}"
+            pair = cache.get(key)
+            if pair is None:
+                _log(f"[{index}/{len(pairs)}] llama-bench {config.label} ({config.criterion}) {quant} with its baseline")
+                pair = cache.put(key, bench_pair(factory.path(baseline, quant), factory.path(config, quant),
+                                                 args.bench_args, args.threads))
+            results[(config.key, quant)]["bench"] = pair["model"]
+            results[(config.key, quant)]["bench_baseline"] = pair["baseline"]
+            base_runs.setdefault(quant, []).append(pair["baseline"])
+        for quant, runs in base_runs.items():
+            results[(baseline.key, quant)]["bench"] = {
+                kind: (sum(r[kind][0] for r in runs) / len(runs), sum(r[kind][1] for r in runs) / len(runs))
+                for kind in ("pp", "tg") if all(kind in r for r in runs)}
 
     # 2. the same configurations in PyTorch float32
     torch_results: dict[str, dict] = {}
@@ -390,7 +424,7 @@ def collect_rows(main, criteria, quants, results, torch_results, kv, task_files)
                         row[f"{task}_lo"], row[f"{task}_hi"] = result[task]["ci95"]
                         row[f"{task}_n"] = result[task]["tasks"]
                 speed = result.get("bench")
-                base = base_bench.get(quant)
+                base = result.get("bench_baseline") or base_bench.get(quant)
                 for kind in ("pp", "tg"):
                     if speed and kind in speed:
                         avg, std = speed[kind]
@@ -460,7 +494,8 @@ def write_markdown(path: Path, rows, setup, main, criteria, quants, task_files) 
     lines.append("* KV cache saving: share of KV bytes per token removed (layers without attention keep no K/V)")
     if setup.get("bench_args"):
         lines.append(f"* speed-up: llama-bench `{setup['bench_args']}` tokens/s of the GGUF over the baseline of the "
-                     f"same type (tg = generation, pp = prompt); ± from llama-bench's standard deviations; "
+                     f"same type, measured back to back in one llama-bench process (tg = generation, pp = prompt); "
+                     f"± from llama-bench's standard deviations; baseline row: mean over its runs; "
                      f"{setup['machine']} shared with other jobs, so timings are noisy")
     lines.append(f"* sweep wall time: {setup['elapsed_min']} min on {setup['machine']} (cached steps not counted)")
     lines += ["", "## Perplexity", ""]
