@@ -33,6 +33,11 @@ class Config:
     m: int
     criterion: str
     layers: list[int] = field(default_factory=list)
+    variant: str = ""  # set when the selection differs from the sweep's main criterion
+
+    @property
+    def series(self) -> str:
+        return self.method + (f" ({self.variant})" if self.variant else "")
 
     @property
     def key(self) -> str:
@@ -40,7 +45,9 @@ class Config:
 
     @property
     def label(self) -> str:
-        return "Baseline" if self.method == "baseline" else f"{METHOD_LABELS[self.method]}-{self.m}"
+        if self.method == "baseline":
+            return "Baseline"
+        return f"{METHOD_LABELS[self.method]}-{self.m}" + (f" ({self.variant})" if self.variant else "")
 
     @property
     def gguf(self) -> bool:
@@ -120,14 +127,20 @@ def argparse_namespace(**kwargs):
 def build_configs(artifact, args, n_layer: int) -> tuple[list[Config], list[Config]]:
     """(main sweep, criteria comparison) configurations with their selected layers."""
     main = [Config("baseline", 0, args.criterion)]
+    drop_criteria = [c for c in args.drop_criteria if c != args.criterion]
     for m in args.m:
         for method in args.methods:
             main.append(Config(method, m, args.criterion, artifact.select(m, args.criterion, method)))
+            if method == "attn-drop":
+                for criterion in drop_criteria:
+                    main.append(Config(method, m, criterion, artifact.select(m, criterion, method),
+                                       variant=f"{criterion} layers"))
     criteria = []
     if args.criteria_m:
-        for criterion in ("cca", "nmse", "cosine"):
-            criteria.append(Config("attn-nbl", args.criteria_m, criterion,
-                                   artifact.select(args.criteria_m, criterion, "attn-nbl")))
+        for method in ("attn-nbl", "attn-drop"):
+            for criterion in ("cca", "nmse", "cosine"):
+                criteria.append(Config(method, args.criteria_m, criterion,
+                                       artifact.select(args.criteria_m, criterion, method)))
     return main, criteria
 
 
@@ -400,7 +413,8 @@ def collect_rows(main, criteria, quants, results, torch_results, kv, task_files)
     for group, configs in (("sweep", main), ("criteria", criteria)):
         for config in configs:
             stock_kv, kv_now = kv(config)
-            common = {"group": group, "config": config.label, "method": config.method, "criterion": config.criterion,
+            common = {"group": group, "config": config.label, "method": config.method, "series": config.series,
+                      "criterion": config.criterion,
                       "m": config.m, "layers": " ".join(map(str, config.layers)), "kv_bytes_per_token": kv_now,
                       "kv_saving": 1 - kv_now / stock_kv if stock_kv else 0.0}
             torch_result = torch_results.get(config.key)
@@ -438,7 +452,7 @@ def collect_rows(main, criteria, quants, results, torch_results, kv, task_files)
     return rows
 
 
-CSV_FIELDS = ["group", "config", "method", "criterion", "m", "layers", "backend", "quant", "kv_bytes_per_token",
+CSV_FIELDS = ["group", "config", "method", "series", "criterion", "m", "layers", "backend", "quant", "kv_bytes_per_token",
               "kv_saving", "ppl", "ppl_err", "tokens", "file_bytes", "pp_ts", "pp_ts_std", "tg_ts", "tg_ts_std",
               "speedup_pp", "speedup_pp_err", "speedup_tg", "speedup_tg_err"]
 
@@ -519,15 +533,22 @@ def write_markdown(path: Path, rows, setup, main, criteria, quants, task_files) 
         lines += ["", f"Baseline as an F32 GGUF through llama.cpp: {_ppl(f32)} (against PyTorch float32: the two "
                       f"paths agree when quantization is off)."]
     if criteria:
-        lines += ["", f"## Layer-selection criteria (Attn NBL-{criteria[0].m}, {q[0]})", "",
-                  f"| criterion | layers replaced | PyTorch f32 | GGUF {q[0]} |", "|---|---|---:|---:|"]
-        for config in criteria:
-            torch_row = next((r for r in rows if r["config"] == config.label and r["criterion"] == config.criterion
-                              and r["backend"] == "pytorch"), None)
-            gguf_row = next((r for r in rows if r["config"] == config.label and r["criterion"] == config.criterion
-                             and r["backend"] == "llama.cpp" and r["quant"] == q[0]), None)
-            lines.append(f"| {config.criterion} | {' '.join(map(str, config.layers))} | {_ppl(torch_row)} | "
-                         f"{_ppl(gguf_row)} |")
+        m = criteria[0].m
+        lines += ["", f"## Layer-selection criteria (m = {m}, GGUF {q[0]})", "",
+                  f"| criterion | layers replaced | Attn NBL-{m} PyTorch f32 | Attn NBL-{m} GGUF {q[0]} "
+                  f"| Attn DROP-{m} PyTorch f32 | Attn DROP-{m} GGUF {q[0]} |", "|---|---|---:|---:|---:|---:|"]
+
+        def pick(method, criterion, backend):
+            return next((r for r in rows if r["group"] == "criteria" and r["method"] == method
+                         and r["criterion"] == criterion and r["backend"] == backend
+                         and r["quant"] == ("f32" if backend == "pytorch" else q[0])), None)
+
+        for criterion in dict.fromkeys(c.criterion for c in criteria):
+            layers = next(c.layers for c in criteria if c.criterion == criterion)
+            cells = [criterion, " ".join(map(str, layers))]
+            cells += [_ppl(pick(method, criterion, backend)) for method in ("attn-nbl", "attn-drop")
+                      for backend in ("pytorch", "llama.cpp")]
+            lines.append("| " + " | ".join(cells) + " |")
     if task_files:
         lines += ["", "## Multiple choice", ""]
         header = ["config", "quant"] + [f"{t} (n={n or 'all'})" for t, (_, n) in task_files.items()]
@@ -564,13 +585,19 @@ def plot(path: Path, rows, quants, task_files, setup) -> None:
     has_speed = any(r.get("speedup_tg") is not None for r in rows)
     ncols = 2 if has_speed else 1
     fig, axes = plt.subplots(len(metrics), ncols, figsize=(6.5 * ncols, 4.2 * len(metrics)), squeeze=False)
-    colors = {"attn-nbl": "tab:blue", "attn-drop": "tab:red", "block-nbl": "tab:green"}
+    palette = {"attn-nbl": "tab:blue", "attn-drop": "tab:red", "block-nbl": "tab:green"}
+    extra = iter(["tab:orange", "tab:purple", "tab:brown", "tab:gray"])
+    colors = {}
+    for r in rows:
+        series_name = r.get("series", r["method"])
+        if r["method"] != "baseline" and series_name not in colors:
+            colors[series_name] = palette[r["method"]] if series_name == r["method"] else next(extra, "black")
     styles = {q.lower(): s for q, s in zip(quants, ["-", "--", ":", "-."])}
     sweep_rows = [r for r in rows if r["group"] == "sweep"]
 
-    def series(method, backend, quant):
+    def series(name, backend, quant):
         base = [r for r in sweep_rows if r["method"] == "baseline" and r["backend"] == backend and r["quant"] == quant]
-        own = sorted((r for r in sweep_rows if r["method"] == method and r["backend"] == backend
+        own = sorted((r for r in sweep_rows if r.get("series", r["method"]) == name and r["backend"] == backend
                       and r["quant"] == quant), key=lambda r: r["m"])
         return base + own
 
@@ -579,13 +606,14 @@ def plot(path: Path, rows, quants, task_files, setup) -> None:
                                               ("speedup_tg", "measured generation speed-up (llama-bench tg)")][:ncols]):
             ax = axes[row_index][col]
             curves = []
-            for method in ("attn-nbl", "attn-drop", "block-nbl"):
+            for name in colors:
+                method = name.split(" ")[0]
+                pretty = METHOD_LABELS[method] + name[len(method):]
                 for quant in [q.lower() for q in quants]:
                     if method != "block-nbl":
-                        curves.append((method, "llama.cpp", quant, f"{METHOD_LABELS[method]} GGUF {quant}",
-                                       styles[quant], "o"))
+                        curves.append((name, "llama.cpp", quant, f"{pretty} GGUF {quant}", styles[quant], "o"))
                 if metric == "ppl" and xkey == "kv_saving":
-                    curves.append((method, "pytorch", "f32", f"{METHOD_LABELS[method]} PyTorch f32", ":", "x"))
+                    curves.append((name, "pytorch", "f32", f"{pretty} PyTorch f32", ":", "x"))
             for method, backend, quant, name, style, marker in curves:
                 points = [r for r in series(method, backend, quant) if r.get(metric) is not None
                           and r.get(xkey) is not None]

@@ -398,7 +398,8 @@ def test_sweep_report_files(tmp_path):
     for m, layers in ((1, [2]), (2, [1, 2])):
         main += [sweep.Config("attn-nbl", m, "cca", layers), sweep.Config("attn-drop", m, "cca", layers),
                  sweep.Config("block-nbl", m, "cca", layers[::-1][:m])]
-    criteria = [sweep.Config("attn-nbl", 2, c, layers) for c, layers in
+    main.append(sweep.Config("attn-drop", 2, "cosine", [0, 3], variant="cosine layers"))
+    criteria = [sweep.Config(method, 2, c, layers) for method in ("attn-nbl", "attn-drop") for c, layers in
                 (("cca", [1, 2]), ("nmse", [0, 2]), ("cosine", [0, 1]))]
     quants = ["Q8_0", "Q4_K_M"]
     results, torch_results = {}, {}
@@ -434,6 +435,7 @@ def test_sweep_report_files(tmp_path):
     text = md.read_text()
     assert "| Attn DROP-2 | 1 2 | 50.0% |" in text and "n/a (PyTorch only)" in text and "keep me" in text
     assert "| nmse | 0 2 |" in text and "python -m nbl_gguf eval --sweep" in text
+    assert "| Attn DROP-2 (cosine layers) | 0 3 | 50.0% |" in text
     import csv
 
     with open(tmp_path / "quality.csv") as handle:
