@@ -506,7 +506,8 @@ def kv_table(measurements: list[dict], costs: dict[str, ModelCost], cache_type: 
     for row in out:
         base = stock.get((row["backend"], row["depth"]))
         row["vs_stock"] = row["bytes_per_token"] / base["bytes_per_token"] if base and base["bytes_per_token"] else None
-    return sorted(out, key=lambda r: (r["backend"], r["model"] != "stock", r["model"], r["depth"]))
+    order = {label: index for index, label in enumerate(costs)}
+    return sorted(out, key=lambda r: (r["backend"], order.get(r["model"], len(order)), r["model"], r["depth"]))
 
 
 # --- reporting ---------------------------------------------------------------------------------
