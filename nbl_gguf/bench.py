@@ -35,7 +35,8 @@ from nbl_gguf.errors import NblError
 from nbl_gguf.roofline import ModelCost, check_pair, kv_type_bytes, model_cost, predicted_speedup
 
 DEFAULT_DEPTHS = (0, 2048, 8192, 32768)
-QUICK = dict(model="embedded", m=[8, 12], depths=[0, 512], n_prompt=128, n_gen=32, rounds=2, repetitions=1)
+QUICK = dict(model="embedded", m=[8, 12], depths=[0, 512], n_prompt=128, n_gen=32, rounds=2, repetitions=1,
+             calib_nsamples=16, calib_seqlen=256)
 DEFAULTS = dict(m=[12], depths=list(DEFAULT_DEPTHS), n_prompt=512, n_gen=128, rounds=2, repetitions=2,
                 quant="q4_k_m")
 TARGET_EFFICIENCY = 0.9
@@ -65,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--quant", default=None, help="quantization for --model/--shape (default: q4_k_m)")
     source.add_argument("--calibration", default=None, metavar="ARTIFACT",
                         help="calibration artifact to reuse for --model (default: made once and cached)")
+    source.add_argument("--calib-nsamples", type=int, default=None,
+                        help="--model without a calibration: windows for the one calibration made (default: "
+                             "calibrate's; --quick: 16; speed does not depend on the calibration's quality)")
+    source.add_argument("--calib-seqlen", type=int, default=None,
+                        help="--model without a calibration: tokens per window (default: calibrate's; --quick: 256)")
     source.add_argument("--layers", default=None,
                         help="--shape only: explicit NBL layers per m, e.g. '6:9,10,11,12,13,14' (default: the m "
                              "layers before the last)")
@@ -137,7 +143,7 @@ def apply_presets(args) -> None:
     if args.quick:
         if not explicit and args.model is None and args.shape is None:
             args.model = QUICK["model"]
-        for key in ("m", "depths", "n_prompt", "n_gen", "rounds", "repetitions"):
+        for key in ("m", "depths", "n_prompt", "n_gen", "rounds", "repetitions", "calib_nsamples", "calib_seqlen"):
             if getattr(args, key) is None:
                 setattr(args, key, QUICK[key])
     for key, value in DEFAULTS.items():
@@ -258,7 +264,11 @@ def embedded_models(args, log) -> ModelSet:
         if calibration.is_dir():
             argv += ["--calibration", str(calibration)]
         else:
-            argv += ["--save-calibration", str(calibration)]
+            argv += ["--save-calibration", str(calibration), "--device", "auto"]
+            if args.calib_nsamples:
+                argv += ["--nsamples", str(args.calib_nsamples)]
+            if args.calib_seqlen:
+                argv += ["--seqlen", str(args.calib_seqlen)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
         commands.append("python -m nbl_gguf convert " + " ".join(argv))
