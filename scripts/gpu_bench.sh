@@ -67,12 +67,15 @@ stage_build() {
         # the packed tree is the patched llama.cpp itself: build the tools the bench needs into bin/
         mkdir -p "$NBL_GGUF_BUILD"
         [ -f "$NBL_GGUF_BUILD/llama.cpp-src/CMakeLists.txt" ] || tar -C "$NBL_GGUF_BUILD" -xJf "$packed"
-        local gen=()
+        local gen=() noamx=()
+        # as the top-level CMakeLists.txt does: no AMX kernels (SIGILL on VMs that list AMX in CPUID)
+        [ "$(uname -m)" = x86_64 ] && noamx=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                                             -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
         command -v ninja >/dev/null 2>&1 && [ ! -f "$NBL_GGUF_BUILD/CMakeCache.txt" ] && gen=(-G Ninja)
         cmake -S "$NBL_GGUF_BUILD/llama.cpp-src" -B "$NBL_GGUF_BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
             -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DBUILD_SHARED_LIBS=ON -DLLAMA_OPENSSL=OFF \
             -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_RPATH='$ORIGIN'
+            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_RPATH='$ORIGIN' "${noamx[@]}"
         cmake --build "$NBL_GGUF_BUILD" --target llama-bench llama-quantize -j "$(nproc)"
         export PYTHONPATH="$NBL_GGUF_BUILD/llama.cpp-src/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
     else
