@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from nbl_gguf.errors import NblError
+from nbl_gguf.tiny import add_byte_vocab, add_llama_header, random_linear
 
 
 @dataclass(frozen=True)
@@ -111,29 +112,6 @@ def _random_tensor(rng, name: str, numpy_shape: tuple[int, ...], base: str):
     return data, gguf.GGMLQuantizationType.F16
 
 
-def write_tokenizer(writer, n_vocab: int) -> None:
-    """nbl_gguf.tiny's byte-level SPM vocabulary, padded with unused tokens to ``n_vocab``."""
-    import gguf
-
-    from nbl_gguf.tiny import N_SPECIAL
-
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
-    if n_vocab < N_SPECIAL + 256:
-        raise NblError(f"a vocabulary of {n_vocab} is smaller than the {N_SPECIAL + 256} byte tokens")
-    tokens += [f"<unused{i}>" for i in range(n_vocab - len(tokens))]
-    types += [gguf.TokenType.UNUSED] * (n_vocab - len(types))
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * n_vocab)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(True)
-
-
 def write_random_gguf(shape: Shape, path: str | os.PathLike, base: str = "Q8_0", seed: int = 0) -> Path:
     """The stock GGUF of ``shape`` with random weights, ``base`` Q8_0 or F16; written tensor by tensor."""
     import gguf
@@ -149,19 +127,13 @@ def write_random_gguf(shape: Shape, path: str | os.PathLike, base: str = "Q8_0",
     tmp = atomic_output(path)
     try:
         writer = gguf.GGUFWriter(tmp, arch="llama")
-        writer.add_name(f"synthetic-{shape.name}")
-        writer.add_context_length(shape.n_ctx_train)
-        writer.add_embedding_length(shape.n_embd)
-        writer.add_block_count(shape.n_layer)
-        writer.add_feed_forward_length(shape.n_ff)
-        writer.add_head_count(shape.n_head)
-        writer.add_head_count_kv(shape.n_head_kv)
-        writer.add_rope_dimension_count(shape.head_dim)
-        writer.add_rope_freq_base(shape.rope_base)
-        writer.add_layer_norm_rms_eps(1e-5)
-        writer.add_vocab_size(shape.n_vocab)
-        writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if base == "Q8_0" else gguf.LlamaFileType.MOSTLY_F16)
-        write_tokenizer(writer, shape.n_vocab)
+        add_llama_header(
+            writer, f"synthetic-{shape.name}", n_ctx_train=shape.n_ctx_train, n_embd=shape.n_embd,
+            n_layer=shape.n_layer, n_ff=shape.n_ff, n_head=shape.n_head, n_head_kv=shape.n_head_kv,
+            rope_base=shape.rope_base, eps=1e-5, n_vocab=shape.n_vocab,
+            file_type=gguf.LlamaFileType.MOSTLY_Q8_0 if base == "Q8_0" else gguf.LlamaFileType.MOSTLY_F16,
+        )
+        add_byte_vocab(writer, shape.n_vocab)
         # tensor infos need the byte sizes up front; the data is generated again, identically, when written
         for name, numpy_shape in shapes.items():
             if len(numpy_shape) == 1:
@@ -187,16 +159,6 @@ def write_random_gguf(shape: Shape, path: str | os.PathLike, base: str = "Q8_0",
     finally:
         tmp.unlink(missing_ok=True)
     return path
-
-
-def random_linear(shape: Shape, layers, seed: int = 1) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    d = shape.n_embd
-    return {
-        i: ((rng.standard_normal((d, d), dtype=np.float32) * (0.5 * d ** -0.5)).astype(np.float32),
-            (rng.standard_normal(d, dtype=np.float32) * 0.1).astype(np.float32))
-        for i in layers
-    }
 
 
 def make_pair(shape: Shape, quant: str, ms: list[int], directory: str | os.PathLike, seed: int = 0,
@@ -236,7 +198,7 @@ def make_pair(shape: Shape, quant: str, ms: list[int], directory: str | os.PathL
             nbl_base = directory / f"{tag}-nbl-m{m}-{base.lower()}.tmp.gguf"
             log(f"synthetic {shape.name}: NBL m={m} (layers {sel}) -> {nbl_final[m]}")
             gguf_nbl.write_nbl_gguf(base_path, nbl_base, gguf_nbl.NblLayers(
-                types=types, linear=random_linear(shape, sel, seed=seed + 1), method="attn-nbl"), weight_type="F16")
+                types=types, linear=random_linear(shape.n_embd, sel, seed=seed + 1), method="attn-nbl"), weight_type="F16")
             try:
                 if qtype == base:
                     os.replace(nbl_base, nbl_final[m])

@@ -14,6 +14,57 @@ from nbl_gguf import gguf_nbl
 N_SPECIAL = 3  # <unk>, <s>, </s>, then one token per byte
 
 
+def add_llama_header(writer, name: str, *, n_ctx_train: int, n_embd: int, n_layer: int, n_ff: int, n_head: int,
+                     n_head_kv: int, rope_base: float, eps: float, n_vocab: int, file_type) -> None:
+    """The llama hyper-parameters of a GGUF written from numpy (here and in nbl_gguf.synthetic)."""
+    writer.add_name(name)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_rope_dimension_count(n_embd // n_head)
+    writer.add_rope_freq_base(rope_base)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(file_type)
+
+
+def add_byte_vocab(writer, n_vocab: int) -> None:
+    """A byte-level SPM vocabulary (any text tokenizes), padded with unused tokens to ``n_vocab``."""
+    import gguf
+
+    if n_vocab < N_SPECIAL + 256:
+        raise ValueError(f"a vocabulary of {n_vocab} is smaller than the {N_SPECIAL + 256} byte tokens")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    token_types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    token_types += [gguf.TokenType.BYTE] * 256
+    tokens += [f"<unused{i}>" for i in range(n_vocab - len(tokens))]
+    token_types += [gguf.TokenType.UNUSED] * (n_vocab - len(token_types))
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * n_vocab)
+    writer.add_token_types(token_types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+
+
+def random_linear(n_embd: int, layers, seed: int = 1) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Random NBL weights for ``layers``, of the size an attention block contributes."""
+    rng = np.random.default_rng(seed)
+    return {
+        i: (
+            (rng.standard_normal((n_embd, n_embd)) * 0.5 * n_embd**-0.5).astype(np.float32),
+            (rng.standard_normal(n_embd) * 0.1).astype(np.float32),
+        )
+        for i in layers
+    }
+
+
 @dataclass
 class TinyLlama:
     n_layer: int = 3
@@ -58,16 +109,7 @@ class TinyLlama:
             w[f"blk.{i}.ffn_down.weight"] = randn(d, self.n_ff, scale=self.n_ff**-0.5)
 
     def random_linear(self, layers, seed: int = 1) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Random NBL weights for ``layers``, of the size an attention block contributes."""
-        rng = np.random.default_rng(seed)
-        d = self.n_embd
-        return {
-            i: (
-                (rng.standard_normal((d, d)) * 0.5 * d**-0.5).astype(np.float32),
-                (rng.standard_normal(d) * 0.1).astype(np.float32),
-            )
-            for i in layers
-        }
+        return random_linear(self.n_embd, layers, seed)
 
     # --- GGUF -------------------------------------------------------------------------------
     def write_gguf(self, path: Path, skip_tensors=frozenset(), extra_kv=None, extra_tensors=None) -> Path:
@@ -78,31 +120,12 @@ class TinyLlama:
         import gguf
 
         writer = gguf.GGUFWriter(path, arch="llama")
-        writer.add_name("tiny-llama")
-        writer.add_context_length(self.n_ctx_train)
-        writer.add_embedding_length(self.n_embd)
-        writer.add_block_count(self.n_layer)
-        writer.add_feed_forward_length(self.n_ff)
-        writer.add_head_count(self.n_head)
-        writer.add_head_count_kv(self.n_head_kv)
-        writer.add_rope_dimension_count(self.head_dim)
-        writer.add_rope_freq_base(self.rope_base)
-        writer.add_layer_norm_rms_eps(self.eps)
-        writer.add_vocab_size(self.n_vocab)
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-
-        tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-        token_types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-        token_types += [gguf.TokenType.BYTE] * 256
-        writer.add_tokenizer_model("llama")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_scores([0.0] * len(tokens))
-        writer.add_token_types(token_types)
-        writer.add_unk_token_id(0)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_add_bos_token(True)
+        add_llama_header(
+            writer, "tiny-llama", n_ctx_train=self.n_ctx_train, n_embd=self.n_embd, n_layer=self.n_layer,
+            n_ff=self.n_ff, n_head=self.n_head, n_head_kv=self.n_head_kv, rope_base=self.rope_base, eps=self.eps,
+            n_vocab=self.n_vocab, file_type=gguf.LlamaFileType.ALL_F32,
+        )
+        add_byte_vocab(writer, self.n_vocab)
         for key, (value, value_type, sub_type) in (extra_kv or {}).items():
             writer.add_key_value(key, value, value_type, sub_type=sub_type)
 
