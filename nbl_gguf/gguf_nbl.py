@@ -108,7 +108,7 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers, weight_t
     tensors: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]] = []
     emitted: set[int] = set()
     for tensor in reader.tensors:
-        layer = _layer_of(tensor.name)
+        layer = layer_of(tensor.name)
         if layer is not None and layers.types[layer] != ATTENTION and is_attention_tensor(tensor.name, layer):
             # the NBL tensors take the place of the first attention tensor, keeping the file's order
             if layer not in emitted and layers.types[layer] == LINEAR:
@@ -160,7 +160,8 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers, weight_t
     return dst
 
 
-def _layer_of(name: str) -> int | None:
+def layer_of(name: str) -> int | None:
+    """The block index of a tensor name such as blk.3.attn_q.weight, None for other tensors."""
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
         return int(parts[1])

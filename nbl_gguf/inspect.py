@@ -19,6 +19,7 @@ from nbl_gguf.gguf_nbl import (
     LAYER_TYPE_NAMES,
     METHOD_KEY,
     SCORES_KEY,
+    layer_of,
     read_layer_types,
 )
 
@@ -87,11 +88,6 @@ def kv_bytes_per_token(reader, layer_types=None) -> tuple[int, int]:
     return stock, sum(b for b, t in zip(per_layer, types) if t == ATTENTION)
 
 
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else None
-
-
 def describe(path: str | os.PathLike) -> dict:
     """Everything `inspect` prints, as plain data."""
     import gguf
@@ -127,7 +123,7 @@ def describe(path: str | os.PathLike) -> dict:
         summary["count"] += 1
         summary["bytes"] += entry["bytes"]
         summary["params"] += int(tensor.n_elements)
-        layer = _layer_of(tensor.name)
+        layer = layer_of(tensor.name)
         if layer is not None:
             layer_tensors[layer].append(entry)
 

@@ -94,16 +94,10 @@ class ModelCost:
         return 2 * self.block_matmul_params + head + 2 * self.attn_width * context
 
 
-def _per_layer(value, n_layer: int) -> list[int]:
-    if isinstance(value, list):
-        return [int(v) for v in value]
-    return [int(value)] * n_layer
-
-
 def model_cost(path: str | os.PathLike) -> ModelCost:
     """Read the roofline numbers of a GGUF (stock or NBL) with gguf-py."""
     from nbl_gguf.gguf_nbl import read_layer_types
-    from nbl_gguf.inspect import _field, open_gguf
+    from nbl_gguf.inspect import _field, _per_layer, open_gguf
 
     path = Path(path)
     reader = open_gguf(path)
