@@ -654,9 +654,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        choices=["attn-nbl", "attn-drop", "block-nbl"], help="methods (default: all three)")
     sweep.add_argument("--criterion", default="cca", choices=["cca", "nmse", "cosine"],
                        help="layer selection of the main sweep (default: cca)")
-    sweep.add_argument("--drop-criteria", nargs="*", default=["cosine"], choices=["cca", "nmse", "cosine"],
-                       help="also run Attn DROP-m with these criteria's layers (the published attention-drop "
-                            "baseline selects by cosine; default: cosine; none: no extra rows)")
+    sweep.add_argument("--extra-criteria", nargs="*", default=["cosine"], choices=["cca", "nmse", "cosine"],
+                       help="also run Attn NBL-m and Attn DROP-m with these criteria's layers (the published "
+                            "attention-drop baseline selects by cosine; default: cosine; give none for no extra rows)")
     sweep.add_argument("--criteria-m", type=int, default=8,
                        help="compare the cca, nmse and cosine selections at this m (Attn NBL and Attn DROP, "
                             "first --quant; 0 = skip; default: 8)")

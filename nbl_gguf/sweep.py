@@ -127,12 +127,12 @@ def argparse_namespace(**kwargs):
 def build_configs(artifact, args, n_layer: int) -> tuple[list[Config], list[Config]]:
     """(main sweep, criteria comparison) configurations with their selected layers."""
     main = [Config("baseline", 0, args.criterion)]
-    drop_criteria = [c for c in args.drop_criteria if c != args.criterion]
+    extra = [c for c in args.extra_criteria if c != args.criterion]
     for m in args.m:
         for method in args.methods:
             main.append(Config(method, m, args.criterion, artifact.select(m, args.criterion, method)))
-            if method == "attn-drop":
-                for criterion in drop_criteria:
+            if method in ("attn-nbl", "attn-drop"):
+                for criterion in extra:
                     main.append(Config(method, m, criterion, artifact.select(m, criterion, method),
                                        variant=f"{criterion} layers"))
     criteria = []
@@ -384,6 +384,8 @@ def run_sweep(args) -> int:
         "bench_args": None if args.no_bench else args.bench_args, "threads": args.threads,
         "machine": f"{platform.machine()}, {_cpu_count()} CPU threads",
         "elapsed_min": round((time.time() - started) / 60, 1),
+        "eval_min": round(sum(r.get("seconds", 0) for r in results.values()) / 60, 1),
+        "torch_min": round(sum(r.get("seconds", 0) for r in torch_results.values()) / 60, 1),
         "tasks": {t: (str(p), n) for t, (p, n) in task_files.items()},
     }
     ppl_any = next((r for r in results.values() if "perplexity" in r), None)
@@ -511,7 +513,9 @@ def write_markdown(path: Path, rows, setup, main, criteria, quants, task_files) 
                      f"same type, measured back to back in one llama-bench process (tg = generation, pp = prompt); "
                      f"± from llama-bench's standard deviations; baseline row: mean over its runs; "
                      f"{setup['machine']} shared with other jobs, so timings are noisy")
-    lines.append(f"* sweep wall time: {setup['elapsed_min']} min on {setup['machine']} (cached steps not counted)")
+    lines.append(f"* time: {setup['eval_min']} min of llama-perplexity and {setup['torch_min']} min of PyTorch "
+                 f"evaluation (as recorded when computed), plus conversions, quantization and llama-bench; "
+                 f"{setup['machine']}")
     lines += ["", "## Perplexity", ""]
     header = ["config", "layers replaced", "KV saving", "PyTorch f32"] + [f"GGUF {x}" for x in q]
     if setup.get("bench_args"):
@@ -630,9 +634,11 @@ def plot(path: Path, rows, quants, task_files, setup) -> None:
                 xerr = None
                 if xkey == "speedup_tg":
                     xerr = [r.get("speedup_tg_err") or 0 for r in points]
-                ax.errorbar(xs, ys, yerr=yerr, xerr=xerr, fmt=marker, linestyle=style, color=colors[method],
+                # speed-ups are not ordered by m: points there, lines only along the KV-cache saving axis
+                ax.errorbar(xs, ys, yerr=yerr, xerr=xerr, fmt=marker, color=colors[method],
+                            linestyle=style if xkey == "kv_saving" else "none",
                             label=name, ms=4, capsize=2, lw=1.2)
-                if xkey == "kv_saving" and backend != "pytorch":
+                if backend != "pytorch":
                     for x, y, r in zip(xs, ys, points):
                         if r["m"]:
                             ax.annotate(str(r["m"]), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6)
@@ -641,8 +647,14 @@ def plot(path: Path, rows, quants, task_files, setup) -> None:
 
                 ax.set_yscale("log")
                 ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-                ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-                ax.tick_params(axis="y", which="minor", labelsize=6)
+                low, high = ax.get_ylim()
+                if high / low < 20:  # label the minor ticks only where there are few of them
+                    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+                    ax.tick_params(axis="y", which="minor", labelsize=6)
+                else:
+                    from matplotlib.ticker import NullFormatter
+
+                    ax.yaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel(xlabel)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3, which="both")

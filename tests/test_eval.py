@@ -426,7 +426,8 @@ def test_sweep_report_files(tmp_path):
     setup = {"command": "python -m nbl_gguf eval --sweep", "model": "tiny", "n_layer": 4,
              "artifact": {"data": {"nsamples": 8, "seqlen": 64, "tokens": 512, "dataset": "x"}},
              "text": "held-out", "ctx": 64, "chunks": 2, "tokens": 62, "criterion": "cca",
-             "bench_args": "-p 8", "machine": "test", "elapsed_min": 0.1}
+             "bench_args": "-p 8", "machine": "test", "elapsed_min": 0.1,
+             "eval_min": 1.0, "torch_min": 2.0}
     md = tmp_path / "quality.md"
     md.write_text(f"old\n{sweep.NOTES_BEGIN}\nkeep me\n{sweep.NOTES_END}\n")
     sweep.write_markdown(md, rows, setup, main, criteria, quants, task_files)
