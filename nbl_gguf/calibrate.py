@@ -22,15 +22,20 @@ CRITERIA = ("cca", "nmse", "cosine")
 DEFAULT_M = 12
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="HF folder or hub id of a Llama-family model (default: embedded SmolLM2-135M-Instruct)")
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the calibration text comes from (shared with `convert`)."""
     parser.add_argument("--dataset", default=None,
                         help="local .txt/.json/.jsonl/.parquet file or a `datasets` hub name "
                              "(default: bundled C4 sample, first 256 documents)")
     parser.add_argument("--dataset-config", default=None, help="hub dataset configuration (e.g. 'en' for allenai/c4)")
     parser.add_argument("--split", default="train", help="hub dataset split (default: train)")
     parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF folder or hub id of a Llama-family model (default: embedded SmolLM2-135M-Instruct)")
+    add_dataset_arguments(parser)
     parser.add_argument("--nsamples", type=int, default=256,
                         help="number of calibration windows (default: 256; CPU users may want fewer)")
     parser.add_argument("--seqlen", type=int, default=2048,

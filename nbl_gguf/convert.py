@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nbl_gguf.calibrate import add_dataset_arguments
 from nbl_gguf.errors import NblError
 
 METHODS = ("attn-nbl", "attn-drop")
@@ -38,12 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attn-nbl (attention -> W x + b) or attn-drop (attention removed); "
                              "block-nbl is evaluated in PyTorch only")
     parser.add_argument("--criterion", default="cca", choices=CRITERIA, help="score that selects the layers")
-    parser.add_argument("--dataset", default=None,
-                        help="calibration text: local .txt/.json/.jsonl/.parquet or a `datasets` hub name "
-                             "(default: bundled C4 sample)")
-    parser.add_argument("--dataset-config", default=None, help="hub dataset configuration")
-    parser.add_argument("--split", default="train", help="hub dataset split (default: train)")
-    parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
+    add_dataset_arguments(parser)
     parser.add_argument("--nsamples", type=int, default=None, help="calibration windows (default: calibrate's)")
     parser.add_argument("--seqlen", type=int, default=None, help="tokens per calibration window (default: calibrate's)")
     parser.add_argument("--batch-size", type=int, default=1, help="calibration windows per forward pass")

@@ -222,25 +222,6 @@ def bench_pair(baseline: Path, model: Path, bench_args: str, threads: int | None
     return result
 
 
-def bench(gguf: Path, bench_args: str, threads: int | None) -> dict:
-    """llama-bench tokens/s: {"pp": (avg, std), "tg": (avg, std)}."""
-    from nbl_gguf.llamacpp import run_tool
-
-    args = ["-m", str(gguf), *shlex.split(bench_args), "-o", "json"]
-    if threads:
-        args += ["-t", str(threads)]
-    done = run_tool("llama-bench", args)
-    try:
-        entries = json.loads(done.stdout)
-    except json.JSONDecodeError as error:
-        raise NblError(f"llama-bench printed no JSON for {gguf.name}: {error}") from error
-    result = {}
-    for entry in entries:
-        kind = "tg" if entry.get("n_gen", 0) else "pp"
-        result[kind] = (float(entry["avg_ts"]), float(entry["stddev_ts"]))
-    return result
-
-
 # --- the sweep -----------------------------------------------------------------------------------
 
 def run_sweep(args) -> int:
