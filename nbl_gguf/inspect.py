@@ -51,6 +51,14 @@ def open_gguf(path: str | os.PathLike):
         raise NblError(f"{path} is not a readable GGUF file: {error}") from error
 
 
+def open_model_gguf(path: str | os.PathLike):
+    """(reader, architecture) of a model GGUF; a GGUF without an architecture is a clear error."""
+    reader = open_gguf(path)
+    if "general.architecture" not in reader.fields:
+        raise NblError(f"{path} has no general.architecture: not a model GGUF")
+    return reader, str(_field(reader, "general.architecture"))
+
+
 def _field(reader, key, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -93,10 +101,7 @@ def describe(path: str | os.PathLike) -> dict:
     import gguf
 
     path = Path(path)
-    reader = open_gguf(path)
-    if "general.architecture" not in reader.fields:
-        raise NblError(f"{path} has no general.architecture: not a model GGUF")
-    arch = str(_field(reader, "general.architecture"))
+    reader, arch = open_model_gguf(path)
     n_layer = int(_field(reader, f"{arch}.block_count", 0))
     types = read_layer_types(reader)
     scores = _field(reader, SCORES_KEY)

@@ -97,13 +97,10 @@ class ModelCost:
 def model_cost(path: str | os.PathLike) -> ModelCost:
     """Read the roofline numbers of a GGUF (stock or NBL) with gguf-py."""
     from nbl_gguf.gguf_nbl import read_layer_types
-    from nbl_gguf.inspect import _field, _per_layer, open_gguf
+    from nbl_gguf.inspect import _field, _per_layer, open_model_gguf
 
     path = Path(path)
-    reader = open_gguf(path)
-    if "general.architecture" not in reader.fields:
-        raise NblError(f"{path} has no general.architecture: not a model GGUF")
-    arch = str(_field(reader, "general.architecture"))
+    reader, arch = open_model_gguf(path)
     if _field(reader, f"{arch}.block_count") is None or _field(reader, f"{arch}.embedding_length") is None:
         raise NblError(f"{path}: no {arch}.block_count / embedding_length: not a decoder model GGUF")
     n_layer = int(_field(reader, f"{arch}.block_count"))
