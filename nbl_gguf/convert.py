@@ -29,7 +29,8 @@ DEFAULT_QUANT = "q4_k_m"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="HF folder or hub id of a Llama-family model (default: embedded SmolLM2-135M-Instruct)")
+                        help="HF folder or hub id of a llama, mistral, qwen2 or qwen3 model "
+                             "(default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--m", type=int, default=None,
                         help="number of attention layers to replace (default: min(12, layers - 1))")
     parser.add_argument("--quant", default=DEFAULT_QUANT,
@@ -85,11 +86,15 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def model_shape(model_dir: Path) -> tuple[int, int]:
-    """(layers, hidden size) from config.json, so bad arguments fail before any heavy work."""
+    """(layers, hidden size) from config.json, after checking that the architecture is one we can
+    calibrate and llama.cpp can run with NBL layers, so bad inputs fail before any heavy work."""
+    from nbl_gguf.models import get_adapter
+
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise NblError(f"{model_dir} is not a HF model folder: it has no config.json")
     config = json.loads(config_path.read_text(encoding="utf-8"))
+    get_adapter(config)
     config = config.get("text_config", config)
     try:
         return int(config["num_hidden_layers"]), int(config["hidden_size"])

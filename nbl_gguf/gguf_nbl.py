@@ -30,8 +30,10 @@ CALIBRATION_KEY = "nbl.calibration"
 
 NBL_WEIGHT = "blk.{layer}.attn_nbl.weight"
 NBL_BIAS = "blk.{layer}.attn_nbl.bias"
-# the tensors a replaced layer must not carry (weights and optional biases)
-ATTENTION_TENSOR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output")
+# the tensors a replaced layer must not carry (weights, optional biases, qwen3's per-head Q/K norms)
+ATTENTION_TENSOR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_q_norm", "attn_k_norm")
+# GGUF architectures whose graph the patched llama.cpp builds with NBL layers (llm_arch_supports_nbl)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass
@@ -98,6 +100,9 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers, weight_t
         raise NblError(f"the NBL GGUF must not overwrite its source {src}")
     reader = gguf.GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise NblError(f"{src} is a '{arch}' model; the patched llama.cpp runs NBL layers for "
+                       f"{', '.join(SUPPORTED_ARCHITECTURES)} only")
     if read_layer_types(reader) is not None:
         raise NblError(f"{src} is already an NBL GGUF: start from the stock conversion")
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())

@@ -26,8 +26,10 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
 
 @dataclass(frozen=True)
 class ModelAdapter:
-    """Attribute paths inside one architecture (relative to the CausalLM / to a decoder layer)."""
+    """Attribute paths inside one architecture (relative to the CausalLM / to a decoder layer), and the
+    GGUF architecture that llama.cpp's converter makes of it (one the patched llama.cpp runs NBL for)."""
 
+    gguf_arch: str
     base: str = "model"  # the decoder stack without the LM head (calibration needs no logits)
     layers: str = "model.layers"
     attn_norm: str = "input_layernorm"
@@ -36,19 +38,23 @@ class ModelAdapter:
 
 # Keyed by config.model_type. DeepSeek-R1-Distill-Llama and SmolLM2 report "llama".
 ADAPTERS: dict[str, ModelAdapter] = {
-    "llama": ModelAdapter(),
-    "mistral": ModelAdapter(),
-    "qwen2": ModelAdapter(),
-    "qwen3": ModelAdapter(),
+    "llama": ModelAdapter("llama"),
+    "mistral": ModelAdapter("llama"),
+    "qwen2": ModelAdapter("qwen2"),
+    "qwen3": ModelAdapter("qwen3"),
 }
 
 
 def get_adapter(model_or_config) -> ModelAdapter:
+    """The adapter of a model, a config object or a config.json dict."""
     config = getattr(model_or_config, "config", model_or_config)
-    model_type = getattr(config, "model_type", None)
+    if isinstance(config, dict):
+        model_type, architectures = config.get("model_type"), config.get("architectures")
+    else:
+        model_type, architectures = getattr(config, "model_type", None), getattr(config, "architectures", None)
     if model_type not in ADAPTERS:
         raise NblError(
-            f"unsupported architecture '{model_type}' ({', '.join(getattr(config, 'architectures', None) or [])}); "
+            f"unsupported architecture '{model_type}' ({', '.join(architectures or [])}); "
             f"supported model_type values: {', '.join(sorted(ADAPTERS))}"
         )
     return ADAPTERS[model_type]

@@ -1,0 +1,231 @@
+"""`convert` on each supported HF family (tiny random models with the SmolLM2 tokenizer): the patched
+llama.cpp running the F32 NBL GGUF must give the logits of the HF model with the same layers replaced
+in PyTorch (apply_nbl), which is an implementation independent of llama.cpp's graph.
+
+Families other than llama exercise what is specific to them: Qwen2's Q/K/V biases and tied output,
+Qwen3's per-head Q/K norms (tensors that must leave the file with the attention), Mistral's conversion
+to the llama architecture.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nbl_gguf import gguf_nbl
+from nbl_gguf.errors import NblError
+from nbl_gguf.llamacpp import bin_dir, source_dir
+
+pytestmark = [
+    pytest.mark.llama,
+    pytest.mark.skipif(not (source_dir() / "convert_hf_to_gguf.py").is_file() or not (bin_dir() / "llama-quantize").is_file(),
+                       reason="needs the patched llama.cpp build (scripts/build_llama.sh)"),
+]
+
+N_LAYER, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4, 64, 4, 2, 16
+M = 2
+TOLERANCE = 2e-3  # relative to the largest reference logit
+
+# family: (config class, model class, GGUF architecture, extra config)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", dict(tie_word_embeddings=False, head_dim=HEAD_DIM)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "llama", dict(tie_word_embeddings=False, sliding_window=None)),
+}
+
+
+def sentencepiece_model(texts) -> bytes:
+    """A small byte-fallback SentencePiece model. transformers 5 picks the tokenizer class from the
+    model type (Qwen2Tokenizer for qwen2/qwen3), which re-tokenizes SmolLM2's vocabulary in a way the
+    pinned converter's BPE fingerprint table does not know; with a tokenizer.model present, the
+    converter takes the vocabulary from it instead, as for a SentencePiece model, without that check."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=400,
+                                             model_type="bpe", byte_fallback=True, minloglevel=2)
+    return model.getvalue()
+
+
+def tiny_family_model(family: str, root: Path, spm: bytes) -> Path:
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    from nbl_gguf import models
+
+    config_name, model_name, _, extra = FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYER,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256, rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        # init leaves norms at 1 and biases at 0: perturb both so that a dropped Q/K norm or bias shows
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(0.2 * torch.randn_like(param))
+    path = root / f"tiny-{family}"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)  # the calibrator's tokenizer; llama.cpp is fed token ids here
+    (path / "tokenizer.model").write_bytes(spm)
+    return path
+
+
+def convert_args(**overrides) -> argparse.Namespace:
+    from nbl_gguf import convert
+
+    parser = argparse.ArgumentParser()
+    convert.add_arguments(parser)
+    args = parser.parse_args([])
+    args.no_progress = True
+    args.nsamples, args.seqlen, args.device = 8, 64, "cpu"
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.fixture(scope="module")
+def spm():
+    from nbl_gguf.data import heldout_texts
+
+    return sentencepiece_model(heldout_texts())
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, spm, tmp_path_factory):
+    """A tiny model of the family and one calibration of it (shared by both methods)."""
+    from nbl_gguf.artifact import load_artifact
+    from nbl_gguf.convert import calibrate_into
+
+    root = tmp_path_factory.mktemp(request.param)
+    model_dir = tiny_family_model(request.param, root, spm)
+    artifact_dir = calibrate_into(root / "calibration", model_dir, convert_args(model=str(model_dir), m=M))
+    return request.param, model_dir, artifact_dir, load_artifact(artifact_dir)
+
+
+@pytest.mark.parametrize("method", ["attn-nbl", "attn-drop"])
+def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nbl_gguf import runtime
+    from nbl_gguf.apply import apply_nbl
+    from nbl_gguf.convert import convert
+
+    name, model_dir, artifact_dir, artifact = family
+    output = tmp_path / f"{name}-{method}.gguf"
+    summary = convert(convert_args(model=str(model_dir), calibration=str(artifact_dir), m=M, method=method,
+                                   quant="f32", output=str(output)))
+    assert len(summary.replaced) == M
+
+    reader = gguf.GGUFReader(output)
+    assert str(reader.fields["general.architecture"].contents()) == FAMILIES[name][2]
+    layer_type = gguf_nbl.LINEAR if method == "attn-nbl" else gguf_nbl.DROPPED
+    assert gguf_nbl.read_layer_types(reader) == [layer_type if i in summary.replaced else gguf_nbl.ATTENTION
+                                                 for i in range(N_LAYER)]
+    # a replaced layer keeps its norm and MLP and carries nothing of its attention
+    for layer in summary.replaced:
+        names = {t.name for t in reader.tensors if gguf_nbl.layer_of(t.name) == layer}
+        assert f"blk.{layer}.attn_norm.weight" in names and f"blk.{layer}.ffn_down.weight" in names
+        assert not [n for n in names if gguf_nbl.is_attention_tensor(n, layer)]
+        assert (f"blk.{layer}.attn_nbl.weight" in names) == (method == "attn-nbl")
+    if name == "qwen3":
+        kept = [i for i in range(N_LAYER) if i not in summary.replaced]
+        assert {f"blk.{i}.attn_q_norm.weight" for i in kept} <= {t.name for t in reader.tensors}
+
+    types = artifact.layer_types(M, "cca", method)
+    assert [i for i, t in enumerate(types) if t] == summary.replaced
+    reference = apply_nbl(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), types, artifact)
+    stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, stock.config.vocab_size, 48)]
+
+    llm, kv = runtime.load_model(output, n_ctx=64, logits_all=True, f32_kv=True)
+    got = runtime.logits(llm, tokens)
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0].double().numpy()
+        want_stock = stock(torch.tensor([tokens])).logits[0].double().numpy()
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= TOLERANCE * scale
+    # the comparison can tell the NBL model from the stock one
+    assert np.abs(want_stock - want).max() > 20 * TOLERANCE * scale
+    assert kv is not None and kv.layers == N_LAYER - M
+
+
+def test_convert_rejects_an_architecture_llama_cpp_cannot_run(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    from nbl_gguf import cli
+
+    folder = tmp_path / "gpt2"
+    GPT2Config(n_layer=2, n_embd=32, n_head=2).save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"")
+    output = tmp_path / "out.gguf"
+    assert cli.main(["convert", "--model", str(folder), "-o", str(output)]) != 0
+    err = capsys.readouterr().err
+    assert "unsupported architecture 'gpt2'" in err and "qwen3" in err
+    assert not output.exists()
+
+
+def _as_architecture(src: Path, dst: Path, arch: str) -> Path:
+    """``src`` with every '<old arch>.' key renamed to '<arch>.', as if another converter had made it."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    old = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(dst, arch=arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        key = arch + field.name[len(old):] if field.name.startswith(old + ".") else field.name
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_unsupported_architectures_are_named_by_writer_and_loader(tmp_path):
+    from nbl_gguf import runtime
+    from nbl_gguf.tiny import TinyLlama
+
+    model = TinyLlama(n_layer=3)
+    types = [gguf_nbl.ATTENTION, gguf_nbl.LINEAR, gguf_nbl.ATTENTION]
+    nbl = model.write_nbl_gguf(tmp_path / "llama-nbl.gguf", types, model.random_linear([1]))
+    stock = model.write_gguf(tmp_path / "llama.gguf")
+
+    with pytest.raises(NblError, match=r"is a 'phi3' model; the patched llama.cpp runs NBL layers for llama, qwen2, qwen3"):
+        gguf_nbl.write_nbl_gguf(_as_architecture(stock, tmp_path / "phi3.gguf", "phi3"), tmp_path / "out.gguf",
+                                gguf_nbl.NblLayers(types=types, linear=model.random_linear([1])))
+    assert not (tmp_path / "out.gguf").exists()
+
+    # a file from elsewhere that marks layers of an architecture without NBL support: refused by name,
+    # before llama.cpp looks for the attention tensors the file does not carry
+    with pytest.raises(NblError, match=r"phi3.nbl.layer_types: NBL layers are not supported for architecture 'phi3'"):
+        runtime.load_model(_as_architecture(nbl, tmp_path / "phi3-nbl.gguf", "phi3"), n_ctx=64)
+
+
+def test_python_and_llama_cpp_agree_on_the_supported_architectures():
+    import re
+
+    from nbl_gguf.models import ADAPTERS
+
+    source = (source_dir() / "src" / "llama-arch.cpp").read_text(encoding="utf-8")
+    body = re.search(r"bool llm_arch_supports_nbl\(const llm_arch & arch\) \{(.*?)\n\}", source, re.S).group(1)
+    names = re.search(r"LLM_ARCH_NAMES = \{(.*?)\n\};", source, re.S).group(1)
+    arch_names = dict(re.findall(r"\{\s*(LLM_ARCH_\w+),\s*\"([\w-]+)\"\s*\}", names))
+    in_cpp = {arch_names[case] for case in re.findall(r"case (LLM_ARCH_\w+):", body)}
+    assert in_cpp == set(gguf_nbl.SUPPORTED_ARCHITECTURES)
+    assert {adapter.gguf_arch for adapter in ADAPTERS.values()} == in_cpp
