@@ -25,7 +25,6 @@ File formats are llama-perplexity's own (tools/perplexity/perplexity.cpp):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -42,7 +41,6 @@ from nbl_gguf.errors import NblError
 
 DEFAULT_CTX = 512
 TASKS = ("hellaswag", "winogrande", "multiple-choice")
-RETRIES = 3
 
 
 # --- results -------------------------------------------------------------------------------------
@@ -400,58 +398,8 @@ def check_multiple_choice(path: Path) -> tuple[int, int]:
 
 # --- running llama-perplexity ---------------------------------------------------------------------
 
-# llama.cpp's logger prints from a worker thread and is never joined at exit (common/log.cpp,
-# llama.cpp issue 22142); other tools call common_log_flush() before returning, llama-perplexity
-# does not, so its last lines -- the final results -- are often lost on a busy machine. This shim,
-# preloaded, flushes the log when the tool calls llama_backend_free() at the end of main().
-_FLUSH_SHIM = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-void llama_backend_free(void) {
-    void * (*log_main)(void) = (void * (*)(void)) dlsym(RTLD_DEFAULT, "_Z15common_log_mainv");
-    void (*log_flush)(void *) = (void (*)(void *)) dlsym(RTLD_DEFAULT, "_Z16common_log_flushP10common_log");
-    if (log_main && log_flush) log_flush(log_main());
-    void (*next)(void) = (void (*)(void)) dlsym(RTLD_NEXT, "llama_backend_free");
-    if (next) next();
-}
-"""
-_shim_path: Path | None | bool = False
-
-
-def log_flush_shim() -> Path | None:
-    """The compiled shim (cached), or None when no C compiler is available (then: retries)."""
-    global _shim_path
-    if _shim_path is not False:
-        return _shim_path
-    from nbl_gguf.models import cache_dir
-
-    digest = hashlib.sha256(_FLUSH_SHIM.encode()).hexdigest()[:12]
-    target = cache_dir() / f"llama-log-flush-{digest}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="nbl-shim-", dir=target.parent) as tmp:
-            source = Path(tmp) / "flush.c"
-            source.write_text(_FLUSH_SHIM)
-            out = Path(tmp) / "flush.so"
-            compiler = os.environ.get("CC", "cc")
-            try:
-                done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(out), str(source), "-ldl"],
-                                      capture_output=True, text=True)
-            except OSError:
-                done = None
-            if done is None or done.returncode != 0 or not out.is_file():
-                print("nbl_gguf eval: note: no C compiler for the llama-perplexity log flush; "
-                      "falling back to retries", file=sys.stderr)
-                _shim_path = None
-                return None
-            os.replace(out, target)
-    _shim_path = target
-    return target
-
-
-def run_perplexity_tool(model: str | os.PathLike, args: Sequence[str], parse, *, threads: int | None = None,
-                        retries: int = RETRIES, cwd=None):
-    """Run llama-perplexity on ``model`` and parse its output; a run whose output was cut short is repeated."""
+def run_perplexity_tool(model: str | os.PathLike, args: Sequence[str], parse, *, threads: int | None = None, cwd=None):
+    """Run llama-perplexity on ``model`` and parse its output (IncompleteOutput if results are missing)."""
     from nbl_gguf.llamacpp import tool
 
     binary = tool("llama-perplexity")
@@ -461,22 +409,15 @@ def run_perplexity_tool(model: str | os.PathLike, args: Sequence[str], parse, *,
     command = [str(binary), "-m", str(model), *map(str, args)]
     if threads:
         command += ["-t", str(threads)]
-    env = dict(os.environ)
-    shim = log_flush_shim()
-    if shim is not None:
-        env["LD_PRELOAD"] = " ".join(filter(None, [str(shim), env.get("LD_PRELOAD", "")]))
-    last = None
-    for _ in range(max(1, retries)):
-        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, errors="replace")
-        output = done.stdout + "\n" + done.stderr
-        if done.returncode != 0:
-            errors = tool_errors(output) or output.strip().splitlines()[-5:]
-            raise NblError(f"llama-perplexity failed on {model.name} (exit {done.returncode}): " + " | ".join(errors))
-        try:
-            return parse(output)
-        except IncompleteOutput as error:
-            last = error
-    raise NblError(f"{last} ({model.name}, {retries} attempts)")
+    done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, errors="replace")
+    output = done.stdout + "\n" + done.stderr
+    if done.returncode != 0:
+        errors = tool_errors(output) or output.strip().splitlines()[-5:]
+        raise NblError(f"llama-perplexity failed on {model.name} (exit {done.returncode}): " + " | ".join(errors))
+    try:
+        return parse(output)
+    except IncompleteOutput as error:
+        raise IncompleteOutput(f"{error} ({model.name})") from None
 
 
 def perplexity(model, text_file, *, n_ctx: int = DEFAULT_CTX, chunks: int | None = None, batch: int | None = None,

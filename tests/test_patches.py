@@ -14,11 +14,16 @@ PATCHES = sorted((ROOT / "patches").glob("*.patch"))
 SCRIPT = ROOT / "cmake" / "apply_patches.cmake"
 
 
+# the parts of llama.cpp the series may touch: libllama and the tools
+PATCHED_DIRS = ("src", "tools")
+
+
 def pristine_tree(tmp_path: Path) -> Path:
-    stock = llamacpp.build_dir() / "llama.cpp-stock-src" / "src"
-    assert stock.is_dir(), "the build keeps the pristine llama.cpp src/ in build/llama.cpp-stock-src"
+    stock = llamacpp.build_dir() / "llama.cpp-stock-src"
     tree = tmp_path / "llama.cpp"
-    shutil.copytree(stock, tree / "src")
+    for name in PATCHED_DIRS:
+        assert (stock / name).is_dir(), f"the build keeps the pristine llama.cpp {name}/ in {stock}"
+        shutil.copytree(stock / name, tree / name)
     return tree
 
 
@@ -33,16 +38,16 @@ def test_series_touches_only_src_and_applies_to_the_pinned_tree(tmp_path):
     assert [p.name[:4] for p in PATCHES] == [f"{i:04d}" for i in range(1, len(PATCHES) + 1)]
     for patch in PATCHES:
         touched = [line.split()[2] for line in patch.read_text().splitlines() if line.startswith("diff --git")]
-        assert touched and all(path.startswith("a/src/") for path in touched), patch.name
+        assert touched and all(path.split("/")[1] in PATCHED_DIRS for path in touched), patch.name
 
     tree = pristine_tree(tmp_path)
     result = apply(tree, ROOT / "patches")
     assert result.returncode == 0, result.stderr
     # the result is the tree the build compiled
-    patched = llamacpp.source_dir() / "src"
-    files = [path.relative_to(tree / "src") for path in (tree / "src").rglob("*") if path.is_file()]
-    assert files
-    assert [f for f in files if (tree / "src" / f).read_bytes() != (patched / f).read_bytes()] == []
+    files = [path.relative_to(tree) for name in PATCHED_DIRS for path in (tree / name).rglob("*") if path.is_file()]
+    assert len(files) > 100
+    patched = llamacpp.source_dir()
+    assert [f for f in files if (tree / f).read_bytes() != (patched / f).read_bytes()] == []
 
 
 def test_a_patch_that_does_not_apply_stops_with_its_name(tmp_path):
