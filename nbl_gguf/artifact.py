@@ -2,7 +2,7 @@
 
     nbl.safetensors  attn.{i}.weight/bias, block.{i}.weight/bias (float32, y = W x + b) for every
                      layer, plus float64 means and canonical correlations (and covariances when
-                     calibrated with --save-covariances)
+                     calibrated with --save-covariances); no block.* when calibrated with --targets attn
     report.json      provenance, per-layer scores, ridge, ranking, selection, timings, versions
     scores.png       per-layer scores with the selection marked
 """
@@ -38,10 +38,21 @@ class CalibrationArtifact:
     def num_layers(self) -> int:
         return int(self.report["model"]["num_layers"])
 
-    def linear(self, layer: int, target: str = "attn") -> tuple[np.ndarray, np.ndarray]:
-        """(W [d, d], b [d]) float32 with y = W x + b, for the attention or the whole block."""
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """What was fitted: ('attn', 'block') or ('attn',) (artifacts older than the key have both)."""
+        return tuple(self.report.get("targets", TARGETS))
+
+    def _check_target(self, target: str) -> None:
         if target not in TARGETS:
             raise NblError(f"unknown target '{target}' (use attn or block)")
+        if target not in self.targets:
+            raise NblError(f"the calibration in {self.path} has no {target} statistics: "
+                           f"run calibrate again with --targets attn,block")
+
+    def linear(self, layer: int, target: str = "attn") -> tuple[np.ndarray, np.ndarray]:
+        """(W [d, d], b [d]) float32 with y = W x + b, for the attention or the whole block."""
+        self._check_target(target)
         if not 0 <= layer < self.num_layers:
             raise NblError(f"layer {layer} out of range (the model has {self.num_layers})")
         return self.tensors[f"{target}.{layer}.weight"], self.tensors[f"{target}.{layer}.bias"]
@@ -49,8 +60,7 @@ class CalibrationArtifact:
     def scores(self, criterion: str = "cca", target: str = "attn") -> np.ndarray:
         if criterion not in CRITERIA:
             raise NblError(f"unknown criterion '{criterion}' (use {', '.join(CRITERIA)})")
-        if target not in TARGETS:
-            raise NblError(f"unknown target '{target}' (use attn or block)")
+        self._check_target(target)
         return np.array([layer[target][criterion] for layer in self.report["layers"]], dtype=np.float64)
 
     def select(self, m: int | None = None, criterion: str | None = None, method: str | None = None) -> list[int]:
@@ -126,6 +136,8 @@ def plot_scores(path: Path, report: dict) -> None:
     fig, axes = plt.subplots(len(CRITERIA), 1, figsize=(max(6, 0.25 * len(layers) + 2), 8), sharex=True)
     for ax, criterion in zip(axes, CRITERIA):
         for name, style in (("attn", "o-"), ("block", "s--")):
+            if name not in report.get("targets", TARGETS):
+                continue
             ax.plot(x, [layer[name][criterion] for layer in layers], style, ms=3, label=name)
         if criterion == selection["criterion"]:
             chosen = selection["layers"]

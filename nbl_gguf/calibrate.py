@@ -19,7 +19,17 @@ from nbl_gguf.errors import NblError
 
 METHODS = ("attn-nbl", "attn-drop", "block-nbl")
 CRITERIA = ("cca", "nmse", "cosine")
+TARGETS = ("attn", "block")
 DEFAULT_M = 12
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """'attn' or 'attn,block' (the attention statistics are always collected: they choose the layers)."""
+    targets = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or "attn" not in targets:
+        raise NblError(f"--targets {text!r}: use 'attn' or 'attn,block'")
+    return tuple(t for t in TARGETS if t in targets)
 
 
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--criterion", default="cca", choices=CRITERIA)
     parser.add_argument("-o", "--output", default=None, help="artifact directory (default: out/calibration/<model>)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--targets", default="attn,block",
+                        help="what to fit: 'attn,block' (default; block-level NBL is a baseline of the paper) or "
+                             "'attn' (about a third faster: the attention is all a GGUF can replace)")
     parser.add_argument("--save-covariances", action="store_true",
                         help="also store float64 covariances (3 d x d per layer and target; large)")
 
@@ -84,8 +97,9 @@ def _versions() -> dict:
 
 
 def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, stats_device: str,
-                       progress: bool = True):
-    """One pass over the windows; returns per-layer (attn, block) MomentAccumulators and cosine means."""
+                       progress: bool = True, targets=TARGETS):
+    """One pass over the windows; returns per-layer (attn, block) MomentAccumulators and cosine means
+    (the block lists are empty when ``targets`` leaves the block out)."""
     import torch
     from tqdm import tqdm
 
@@ -96,9 +110,10 @@ def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, 
     d = model.config.hidden_size
     count = len(decoder_layers(model))
     attn = [MomentAccumulator(d, d, stats_device, f"layer {i} attention") for i in range(count)]
-    block = [MomentAccumulator(d, d, stats_device, f"layer {i} block") for i in range(count)]
+    with_block = "block" in targets
+    block = [MomentAccumulator(d, d, stats_device, f"layer {i} block") for i in range(count if with_block else 0)]
     attn_cos = [CosineAccumulator(stats_device) for _ in range(count)]
-    block_cos = [CosineAccumulator(stats_device) for _ in range(count)]
+    block_cos = [CosineAccumulator(stats_device) for _ in range(count if with_block else 0)]
 
     def on_attention(i, h, x, y):
         attn[i].update(x, y)
@@ -110,7 +125,7 @@ def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, 
 
     batch_size = max(1, batch_size)
     body = base_model(model)
-    with torch.no_grad(), capture_activations(model, adapter, on_attention, on_block):
+    with torch.no_grad(), capture_activations(model, adapter, on_attention, on_block if with_block else None):
         batches = range(0, input_ids.shape[0], batch_size)
         for start in tqdm(batches, desc="calibration forward", unit="batch", disable=not progress):
             body(input_ids=input_ids[start:start + batch_size].to(device), use_cache=False)
@@ -120,6 +135,7 @@ def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, 
 
 
 def solve_all(attn, block, progress: bool = True):
+    """[(attention fit, block fit or None)] per layer; ``block`` may be empty."""
     import torch
     from tqdm import tqdm
 
@@ -133,8 +149,9 @@ def solve_all(attn, block, progress: bool = True):
         torch.set_num_threads(1)
     try:
         fits = []
-        for a, b in tqdm(list(zip(attn, block)), desc="solve", unit="layer", disable=not progress):
-            fits.append((fit(a.moments(), residual=True), fit(b.moments(), residual=False)))
+        for i in tqdm(range(len(attn)), desc="solve", unit="layer", disable=not progress):
+            fits.append((fit(attn[i].moments(), residual=True),
+                         fit(block[i].moments(), residual=False) if block else None))
     finally:
         torch.set_num_threads(threads)
     return fits
@@ -151,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
     from nbl_gguf.artifact import METHOD_TARGET, plot_scores, write_artifact
     from nbl_gguf.solve import ranking, select_layers
 
+    targets = parse_targets(args.targets)
+    if METHOD_TARGET[args.method] not in targets:
+        raise NblError(f"--method {args.method} needs the block statistics: use --targets attn,block")
     torch.manual_seed(args.seed)
     timer = _Timer()
     with timer("load_model"):
@@ -176,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     stats_device = args.stats_device or loaded.device
     with timer("forward_and_statistics"):
         attn, block, attn_cos, block_cos = collect_statistics(model, loaded.adapter, calib.input_ids,
-                                                              args.batch_size, loaded.device, stats_device)
+                                                              args.batch_size, loaded.device, stats_device,
+                                                              targets=targets)
     with timer("solve"):
         fits = solve_all(attn, block)
 
@@ -184,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
     tensors: dict[str, np.ndarray] = {}
     for i, (fa, fb) in enumerate(fits):
         entry = {"index": i}
-        for target, f, cos, acc in (("attn", fa, attn_cos[i], attn[i]), ("block", fb, block_cos[i], block[i])):
+        for target, f, cos, acc in (("attn", fa, attn_cos[i], attn[i]),
+                                    *((("block", fb, block_cos[i], block[i]),) if fb is not None else ())):
             entry[target] = {"cca": f.cca_bound, "nmse": f.nmse, "cosine": cos, "ridge": f.ridge, "cond": f.cond}
             tensors[f"{target}.{i}.weight"] = f.weight.float().cpu().numpy()
             tensors[f"{target}.{i}.bias"] = f.bias.float().cpu().numpy()
@@ -211,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
                  "sha256": calib.sha256, "seed": args.seed},
         "statistics": {"device": str(stats_device), "tokens_per_layer": attn[0].n, "covariances_saved": args.save_covariances},
         "layers": layers,
-        "ranking": {t: {c: ranking([e[t][c] for e in layers]) for c in CRITERIA} for t in ("attn", "block")},
+        "targets": list(targets),
+        "ranking": {t: {c: ranking([e[t][c] for e in layers]) for c in CRITERIA} for t in targets},
         "selection": {"method": args.method, "criterion": args.criterion, "m": m, "layers": selected},
         "timings_s": timer.phases,
         "versions": _versions(),

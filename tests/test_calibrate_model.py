@@ -181,6 +181,40 @@ def test_calibrate_end_to_end_artifact(tiny_checkpoint):
     torch.testing.assert_close(yc, xc @ torch.from_numpy(wc).T + torch.from_numpy(bc), rtol=1e-5, atol=1e-5)
 
 
+def test_attention_only_calibration_has_the_same_attention_fits(tiny_checkpoint):
+    from safetensors.numpy import load_file
+
+    common = ("--model", tiny_checkpoint / "model", "--dataset", tiny_checkpoint / "data.jsonl",
+              "--nsamples", 6, "--seqlen", 32, "--m", 1)
+    full, attn_only = tiny_checkpoint / "full", tiny_checkpoint / "attn-only"
+    assert run_calibrate(*common, "-o", full) == 0
+    assert run_calibrate(*common, "--targets", "attn", "-o", attn_only) == 0
+
+    full_tensors, attn_tensors = load_file(str(full / "nbl.safetensors")), load_file(str(attn_only / "nbl.safetensors"))
+    assert set(attn_tensors) == {k for k in full_tensors if k.startswith("attn.")}
+    for key, value in attn_tensors.items():  # the block hooks change nothing of the attention sums
+        np.testing.assert_array_equal(value, full_tensors[key], err_msg=key)
+    art, full_art = load_artifact(attn_only), load_artifact(full)
+    assert art.targets == ("attn",) and set(art.report["ranking"]) == {"attn"}
+    assert art.select() == full_art.select()
+    np.testing.assert_array_equal(art.scores("cosine", "attn"), full_art.scores("cosine", "attn"))
+    with pytest.raises(NblError, match="has no block statistics: run calibrate again with --targets attn,block"):
+        art.linear(0, "block")
+    with pytest.raises(NblError, match="has no block statistics"):
+        art.select(1, "cca", "block-nbl")
+
+
+def test_targets_argument_errors(tiny_checkpoint):
+    common = ("--model", tiny_checkpoint / "model", "--dataset", tiny_checkpoint / "data.jsonl",
+              "--nsamples", 2, "--seqlen", 32, "-o", tiny_checkpoint / "never")
+    with pytest.raises(NblError, match="--method block-nbl needs the block statistics"):
+        run_calibrate(*common, "--targets", "attn", "--method", "block-nbl")
+    for bad in ("block", "attn,mlp"):
+        with pytest.raises(NblError, match="use 'attn' or 'attn,block'"):
+            run_calibrate(*common, "--targets", bad)
+    assert not (tiny_checkpoint / "never").exists()
+
+
 def test_calibrate_user_errors(tiny_checkpoint):
     model, data = tiny_checkpoint / "model", tiny_checkpoint / "data.jsonl"
     with pytest.raises(NblError, match="--m 4 is out of range: the model has 3 layers"):
