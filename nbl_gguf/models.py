@@ -1,4 +1,4 @@
-"""Loading Llama-family causal LMs and finding the parts of each decoder layer that NBL touches.
+"""Loading decoder-only causal LMs (the families in ADAPTERS) and finding the parts of each decoder layer that NBL touches.
 
 Architectures differ only in where their modules live, so the differences are data (``ADAPTERS``),
 not code: supporting another family is one table row, provided its decoder layer computes
@@ -36,12 +36,14 @@ class ModelAdapter:
     attn: str = "self_attn"
 
 
-# Keyed by config.model_type. DeepSeek-R1-Distill-Llama and SmolLM2 report "llama".
+# Keyed by config.model_type. DeepSeek-R1-Distill-Llama and SmolLM2 report "llama",
+# DeepSeek-R1-Distill-Qwen "qwen2", Phi-3/3.5/4-mini "phi3".
 ADAPTERS: dict[str, ModelAdapter] = {
     "llama": ModelAdapter("llama"),
     "mistral": ModelAdapter("llama"),
     "qwen2": ModelAdapter("qwen2"),
     "qwen3": ModelAdapter("qwen3"),
+    "phi3": ModelAdapter("phi3"),  # fused qkv_proj: the adapter needs only the module names
 }
 
 

@@ -4,12 +4,13 @@ in PyTorch (apply_nbl), which is an implementation independent of llama.cpp's gr
 
 Families other than llama exercise what is specific to them: Qwen2's Q/K/V biases and tied output,
 Qwen3's per-head Q/K norms (tensors that must leave the file with the attention), Mistral's conversion
-to the llama architecture.
+to the llama architecture, Phi-3's fused QKV projection and partial rotary embedding.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,9 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", dict(tie_word_embeddings=False, head_dim=HEAD_DIM)),
     "mistral": ("MistralConfig", "MistralForCausalLM", "llama", dict(tie_word_embeddings=False, sliding_window=None)),
+    # partial rotary as in Phi-4-mini; the converter wants original_max_position_embeddings
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", dict(tie_word_embeddings=False, partial_rotary_factor=0.5,
+                                                          original_max_position_embeddings=256)),
 }
 
 
@@ -48,7 +52,9 @@ def sentencepiece_model(texts) -> bytes:
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=400,
-                                             model_type="bpe", byte_fallback=True, minloglevel=2)
+                                             model_type="bpe", byte_fallback=True, minloglevel=2,
+                                             # llama.cpp looks this token up in a model named phi3
+                                             user_defined_symbols=["<|endoftext|>"])
     return model.getvalue()
 
 
@@ -76,6 +82,12 @@ def tiny_family_model(family: str, root: Path, spm: bytes) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)  # the calibrator's tokenizer; llama.cpp is fed token ids here
     (path / "tokenizer.model").write_bytes(spm)
+    # the Phi-3 converter lays the HF added tokens over the SentencePiece ids, which would clobber
+    # the byte tokens of this small vocabulary (real Phi-3 checkpoints add theirs after it)
+    for name, key, empty in (("tokenizer.json", "added_tokens", []), ("tokenizer_config.json", "added_tokens_decoder", {})):
+        content = json.loads((path / name).read_text(encoding="utf-8"))
+        content[key] = empty
+        (path / name).write_text(json.dumps(content), encoding="utf-8")
     return path
 
 
@@ -206,15 +218,15 @@ def test_unsupported_architectures_are_named_by_writer_and_loader(tmp_path):
     nbl = model.write_nbl_gguf(tmp_path / "llama-nbl.gguf", types, model.random_linear([1]))
     stock = model.write_gguf(tmp_path / "llama.gguf")
 
-    with pytest.raises(NblError, match=r"is a 'phi3' model; the patched llama.cpp runs NBL layers for llama, qwen2, qwen3"):
-        gguf_nbl.write_nbl_gguf(_as_architecture(stock, tmp_path / "phi3.gguf", "phi3"), tmp_path / "out.gguf",
+    with pytest.raises(NblError, match=r"is a 'granite' model; the patched llama.cpp runs NBL layers for llama, qwen2, qwen3"):
+        gguf_nbl.write_nbl_gguf(_as_architecture(stock, tmp_path / "granite.gguf", "granite"), tmp_path / "out.gguf",
                                 gguf_nbl.NblLayers(types=types, linear=model.random_linear([1])))
     assert not (tmp_path / "out.gguf").exists()
 
     # a file from elsewhere that marks layers of an architecture without NBL support: refused by name,
     # before llama.cpp looks for the attention tensors the file does not carry
-    with pytest.raises(NblError, match=r"phi3.nbl.layer_types: NBL layers are not supported for architecture 'phi3'"):
-        runtime.load_model(_as_architecture(nbl, tmp_path / "phi3-nbl.gguf", "phi3"), n_ctx=64)
+    with pytest.raises(NblError, match=r"granite.nbl.layer_types: NBL layers are not supported for architecture 'granite'"):
+        runtime.load_model(_as_architecture(nbl, tmp_path / "granite-nbl.gguf", "granite"), n_ctx=64)
 
 
 def test_python_and_llama_cpp_agree_on_the_supported_architectures():
