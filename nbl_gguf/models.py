@@ -1,4 +1,5 @@
-"""Loading decoder-only causal LMs (the families in ADAPTERS) and finding the parts of each decoder layer that NBL touches.
+"""Loading decoder-only causal LMs (the families in ADAPTERS) and finding the parts of each decoder
+layer that NBL touches.
 
 Architectures differ only in where their modules live, so the differences are data (``ADAPTERS``),
 not code: supporting another family is one table row, provided its decoder layer computes
