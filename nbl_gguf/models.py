@@ -37,11 +37,12 @@ class ModelAdapter:
     attn: str = "self_attn"
 
 
-# Keyed by config.model_type. DeepSeek-R1-Distill-Llama and SmolLM2 report "llama",
-# DeepSeek-R1-Distill-Qwen "qwen2", Phi-3/3.5/4-mini "phi3".
+# Keyed by config.model_type (several convert to one GGUF architecture). DeepSeek-R1-Distill-Llama
+# and SmolLM2 report "llama", DeepSeek-R1-Distill-Qwen "qwen2", Phi-3/3.5/4-mini "phi3".
 ADAPTERS: dict[str, ModelAdapter] = {
     "llama": ModelAdapter("llama"),
     "mistral": ModelAdapter("llama"),
+    "mixtral": ModelAdapter("llama"),  # llama.cpp's llama graph runs the experts
     "qwen2": ModelAdapter("qwen2"),
     "qwen3": ModelAdapter("qwen3"),
     "phi3": ModelAdapter("phi3"),  # fused qkv_proj: the adapter needs only the module names

@@ -4,7 +4,8 @@ in PyTorch (apply_nbl), which is an implementation independent of llama.cpp's gr
 
 Families other than llama exercise what is specific to them: Qwen2's Q/K/V biases and tied output,
 Qwen3's per-head Q/K norms (tensors that must leave the file with the attention), Mistral's conversion
-to the llama architecture, Phi-3's fused QKV projection and partial rotary embedding.
+to the llama architecture, Mixtral's experts behind an NBL attention, Phi-3's fused QKV projection and
+partial rotary embedding.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", dict(tie_word_embeddings=False, head_dim=HEAD_DIM)),
     "mistral": ("MistralConfig", "MistralForCausalLM", "llama", dict(tie_word_embeddings=False, sliding_window=None)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "llama", dict(tie_word_embeddings=False, sliding_window=None,
+                                                                    num_local_experts=4, num_experts_per_tok=2)),
     # partial rotary as in Phi-4-mini; the converter wants original_max_position_embeddings
     "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", dict(tie_word_embeddings=False, partial_rotary_factor=0.5,
                                                           original_max_position_embeddings=256)),
@@ -147,7 +150,8 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
     # a replaced layer keeps its norm and MLP and carries nothing of its attention
     for layer in summary.replaced:
         names = {t.name for t in reader.tensors if gguf_nbl.layer_of(t.name) == layer}
-        assert f"blk.{layer}.attn_norm.weight" in names and f"blk.{layer}.ffn_down.weight" in names
+        assert f"blk.{layer}.attn_norm.weight" in names
+        assert names & {f"blk.{layer}.ffn_down.weight", f"blk.{layer}.ffn_down_exps.weight"}
         assert not [n for n in names if gguf_nbl.is_attention_tensor(n, layer)]
         assert (f"blk.{layer}.attn_nbl.weight" in names) == (method == "attn-nbl")
     if name == "qwen3":
