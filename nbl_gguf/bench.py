@@ -378,10 +378,9 @@ def parse_bench_json(stdout: str) -> list[dict]:
 
 def parse_kv_log(stderr: str) -> list[dict]:
     """The KV cache of every context llama-bench created (``-v`` log), in test order."""
-    from nbl_gguf.runtime import _KV_LINE
+    from nbl_gguf.runtime import kv_caches
 
-    return [{"kv_mib": float(m.group(5)) + float(m.group(7)), "kv_cells": int(m.group(2)), "kv_layers": int(m.group(3))}
-            for m in _KV_LINE.finditer(stderr)]
+    return [{"kv_mib": kv.mib, "kv_cells": kv.cells, "kv_layers": kv.layers} for kv in kv_caches(stderr)]
 
 
 def run_llama_bench(model: Path, *, n_prompt: int, n_gen: int, depth: int, repetitions: int, threads: int,

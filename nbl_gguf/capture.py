@@ -11,9 +11,10 @@ from typing import Callable
 
 import torch
 
-from nbl_gguf.models import ModelAdapter, attention_module, attention_norm, decoder_layers
+from nbl_gguf.models import ModelAdapter, attention_norm, attention_output, decoder_layers
 
 # on_attention(layer, h, x, y): h = block input, x = attention input (norm(h)), y = attention output
+# (after the adapter's attn_out_norm, if any: what the block adds to the residual stream)
 AttentionCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # on_block(layer, h, out): decoder layer input and output hidden states
 BlockCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -50,7 +51,7 @@ def capture_activations(model, adapter: ModelAdapter, on_attention: AttentionCal
         # A layer already replaced by a linear block (apply_nbl) has no attention to observe.
         if hasattr(layer, adapter.attn) and hasattr(layer, adapter.attn_norm):
             handles.append(attention_norm(layer, adapter).register_forward_hook(norm_hook))
-            handles.append(attention_module(layer, adapter).register_forward_hook(attn_hook))
+            handles.append(attention_output(layer, adapter).register_forward_hook(attn_hook))
         handles.append(layer.register_forward_hook(layer_hook, with_kwargs=True))
     try:
         yield handles

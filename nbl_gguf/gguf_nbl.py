@@ -30,10 +30,12 @@ CALIBRATION_KEY = "nbl.calibration"
 
 NBL_WEIGHT = "blk.{layer}.attn_nbl.weight"
 NBL_BIAS = "blk.{layer}.attn_nbl.bias"
-# the tensors a replaced layer must not carry (weights, optional biases, qwen3's per-head Q/K norms)
-ATTENTION_TENSOR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_q_norm", "attn_k_norm")
+# the tensors a replaced layer must not carry (weights, optional biases, per-head Q/K norms, and the
+# norm on the attention output before the residual add, which the NBL map stands in for)
+ATTENTION_TENSOR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_q_norm", "attn_k_norm",
+                          "post_attention_norm")
 # GGUF architectures whose graph the patched llama.cpp builds with NBL layers (llm_arch_supports_nbl)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 
 
 @dataclass

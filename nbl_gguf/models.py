@@ -35,6 +35,9 @@ class ModelAdapter:
     layers: str = "model.layers"
     attn_norm: str = "input_layernorm"
     attn: str = "self_attn"
+    # a norm between the attention and the residual add (Gemma's post_attention_layernorm): part of
+    # the block that NBL replaces, so Y is taken after it and it goes with the attention
+    attn_out_norm: str | None = None
 
 
 # Keyed by config.model_type (several convert to one GGUF architecture). DeepSeek-R1-Distill-Llama
@@ -46,6 +49,7 @@ ADAPTERS: dict[str, ModelAdapter] = {
     "qwen2": ModelAdapter("qwen2"),
     "qwen3": ModelAdapter("qwen3"),
     "phi3": ModelAdapter("phi3"),  # fused qkv_proj: the adapter needs only the module names
+    "gemma3_text": ModelAdapter("gemma3", attn_out_norm="post_attention_layernorm"),  # Gemma 3 270M/1B
 }
 
 
@@ -57,10 +61,9 @@ def get_adapter(model_or_config) -> ModelAdapter:
     else:
         model_type, architectures = getattr(config, "model_type", None), getattr(config, "architectures", None)
     if model_type not in ADAPTERS:
-        raise NblError(
-            f"unsupported architecture '{model_type}' ({', '.join(architectures or [])}); "
-            f"supported model_type values: {', '.join(sorted(ADAPTERS))}"
-        )
+        classes = f" ({', '.join(architectures)})" if architectures else ""
+        raise NblError(f"unsupported architecture '{model_type}'{classes}; "
+                       f"supported model_type values: {', '.join(sorted(ADAPTERS))}")
     return ADAPTERS[model_type]
 
 
@@ -79,12 +82,13 @@ def base_model(model):
     return _getattr_path(model, get_adapter(model).base)
 
 
-def attention_module(layer, adapter: ModelAdapter):
-    return getattr(layer, adapter.attn)
-
-
 def attention_norm(layer, adapter: ModelAdapter):
     return getattr(layer, adapter.attn_norm)
+
+
+def attention_output(layer, adapter: ModelAdapter):
+    """The module whose output is Y, the attention block's contribution to the residual stream."""
+    return getattr(layer, adapter.attn_out_norm or adapter.attn)
 
 
 def resolve_device(device: str | None = "auto") -> str:

@@ -23,9 +23,13 @@ _KV_LINE = re.compile(
 )
 
 
+# a sliding-window model (iSWA) logs two caches per context: this line comes before the second one
+_SWA_HALF = "creating     SWA KV cache"
+
+
 @dataclass
 class KvCacheInfo:
-    cells: int
+    cells: int  # the largest of the context's caches
     layers: int
     k_mib: float
     v_mib: float
@@ -33,6 +37,29 @@ class KvCacheInfo:
     @property
     def mib(self) -> float:
         return self.k_mib + self.v_mib
+
+
+def kv_caches(log: str) -> list[KvCacheInfo]:
+    """The KV cache of every context created in a llama.cpp log, in order; the full-attention and
+    sliding-window caches of an iSWA context are added up into one."""
+    caches: list[KvCacheInfo] = []
+    swa_half = False
+    for line in log.splitlines():
+        if _SWA_HALF in line:
+            swa_half = True
+            continue
+        match = _KV_LINE.search(line)
+        if not match:
+            continue
+        cache = KvCacheInfo(cells=int(match.group(2)), layers=int(match.group(3)),
+                            k_mib=float(match.group(5)), v_mib=float(match.group(7)))
+        if swa_half and caches:
+            first = caches.pop()
+            cache = KvCacheInfo(max(first.cells, cache.cells), first.layers + cache.layers,
+                                first.k_mib + cache.k_mib, first.v_mib + cache.v_mib)
+        caches.append(cache)
+        swa_half = False
+    return caches
 
 
 @contextlib.contextmanager
@@ -66,15 +93,8 @@ def load_model(path: str | Path, *, n_ctx: int = 512, n_gpu_layers: int = 0, f32
         except ValueError as error:
             reasons = [line.strip() for line in lines if "error" in line.lower() or "failed" in line.lower()]
             raise NblError(f"llama.cpp could not load {path}: " + " | ".join(reasons or [str(error)])) from error
-    text = "".join(lines)
-    match = _KV_LINE.search(text)
-    kv = None
-    if match:
-        kv = KvCacheInfo(
-            cells=int(match.group(2)), layers=int(match.group(3)),
-            k_mib=float(match.group(5)), v_mib=float(match.group(7)),
-        )
-    return llm, kv
+    caches = kv_caches("".join(lines))
+    return llm, caches[0] if caches else None
 
 
 def logits(llm, tokens: Sequence[int]) -> np.ndarray:

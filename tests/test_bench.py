@@ -254,3 +254,21 @@ def test_nbl_layers_read_back_for_hf(tiny):
     assert types == [A, L, A] and set(linear) == {1}
     np.testing.assert_allclose(linear[1][0], want[1][0])
     np.testing.assert_allclose(linear[1][1], want[1][1])
+
+
+def test_kv_log_of_plain_and_sliding_window_contexts():
+    from nbl_gguf.runtime import kv_caches
+
+    line = ("llama_kv_cache: size = {mib:7.2f} MiB ({cells:6d} cells, {layers:3d} layers,  1/1 seqs), "
+            "K (f16): {half:7.2f} MiB, V (f16): {half:7.2f} MiB")
+    log = "\n".join([
+        line.format(mib=4.0, cells=4096, layers=4, half=2.0),                    # a plain context
+        "llama_kv_cache_iswa: creating non-SWA KV cache, size = 4096 cells",      # an iSWA context ...
+        line.format(mib=1.0, cells=4096, layers=1, half=0.5),
+        "llama_kv_cache_iswa: creating     SWA KV cache, size = 768 cells",
+        line.format(mib=0.5, cells=768, layers=3, half=0.25),                     # ... is one cache
+        line.format(mib=2.0, cells=2048, layers=4, half=1.0),
+    ])
+    caches = kv_caches(log)
+    assert [(c.cells, c.layers, c.mib) for c in caches] == [(4096, 4, 4.0), (4096, 4, 1.5), (2048, 4, 2.0)]
+    assert [row["kv_layers"] for row in bench.parse_kv_log(log)] == [4, 4, 4]

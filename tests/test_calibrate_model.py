@@ -111,7 +111,8 @@ def test_apply_nbl_rejects_bad_layer_maps():
 def test_unsupported_architecture_is_named():
     from transformers import GPT2Config
 
-    with pytest.raises(NblError, match=r"unsupported architecture 'gpt2'.*supported model_type values: llama"):
+    with pytest.raises(NblError, match=r"unsupported architecture 'gpt2'; supported model_type values: "
+                                       r"gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3$"):
         get_adapter(GPT2Config())
 
 
@@ -239,18 +240,36 @@ def test_nan_activations_abort_calibration_naming_the_layer(tiny_checkpoint):
                            progress=False)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3_text"])
 def test_other_families_capture_and_apply(family):
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
-    config_cls, model_cls = {"mistral": (MistralConfig, MistralForCausalLM),
-                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config_cls, model_cls, extra = {"mistral": (MistralConfig, MistralForCausalLM, {}),
+                                    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+                                    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 8})}[family]
     torch.manual_seed(0)
     model = model_cls(config_cls(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 **extra)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
     ids = torch.randint(0, 97, (1, 10))
     records, _ = capture_all(model, ids)
     assert sorted(records["attn"]) == [0, 1] and all(len(v) == 1 for v in records["attn"].values())
+    # y is the whole contribution of the attention block to the residual stream (for Gemma: after its
+    # post-attention norm): the rest of the layer applied to h + y gives the layer's output
+    layer = model.model.layers[1]
+    h, _, y = records["attn"][1][0]
+    mid = h + y
+    with torch.no_grad():
+        if family == "gemma3_text":
+            rest = mid + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(mid)))
+        else:
+            rest = mid + layer.mlp(layer.post_attention_layernorm(mid))
+    torch.testing.assert_close(rest, records["block"][1][0][1], rtol=1e-5, atol=1e-5)
     apply_nbl(model, [ATTN_LINEAR, BLOCK_LINEAR], {0: random_linear(32, 5), 1: random_linear(32, 6)})
     records, _ = capture_all(model, ids)
     _, x, y = records["attn"][0][0]

@@ -5,7 +5,8 @@ in PyTorch (apply_nbl), which is an implementation independent of llama.cpp's gr
 Families other than llama exercise what is specific to them: Qwen2's Q/K/V biases and tied output,
 Qwen3's per-head Q/K norms (tensors that must leave the file with the attention), Mistral's conversion
 to the llama architecture, Mixtral's experts behind an NBL attention, Phi-3's fused QKV projection and
-partial rotary embedding.
+partial rotary embedding, Gemma 3's norm after the attention (part of the replaced block: Y is taken
+after it, and it leaves the file with the attention) and its sliding-window cache.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ FAMILIES = {
     # partial rotary as in Phi-4-mini; the converter wants original_max_position_embeddings
     "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", dict(tie_word_embeddings=False, partial_rotary_factor=0.5,
                                                           original_max_position_embeddings=256)),
+    # sliding-window layers (iSWA cache) with a window longer than the test; llama.cpp scales Q by 1/sqrt(head_dim)
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3", dict(tie_word_embeddings=True, head_dim=HEAD_DIM,
+                                                                           query_pre_attn_scalar=HEAD_DIM,
+                                                                           sliding_window=512)),
 }
 
 
@@ -154,9 +159,11 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
         assert names & {f"blk.{layer}.ffn_down.weight", f"blk.{layer}.ffn_down_exps.weight"}
         assert not [n for n in names if gguf_nbl.is_attention_tensor(n, layer)]
         assert (f"blk.{layer}.attn_nbl.weight" in names) == (method == "attn-nbl")
-    if name == "qwen3":
-        kept = [i for i in range(N_LAYER) if i not in summary.replaced]
+    kept = [i for i in range(N_LAYER) if i not in summary.replaced]
+    if name in ("qwen3", "gemma3_text"):
         assert {f"blk.{i}.attn_q_norm.weight" for i in kept} <= {t.name for t in reader.tensors}
+    if name == "gemma3_text":
+        assert {f"blk.{i}.post_attention_norm.weight" for i in kept} <= {t.name for t in reader.tensors}
 
     types = artifact.layer_types(M, "cca", method)
     assert [i for i, t in enumerate(types) if t] == summary.replaced
