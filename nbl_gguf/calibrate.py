@@ -44,7 +44,7 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="HF folder or hub id of a llama, mistral, mixtral, qwen2, qwen3, phi3 or gemma3_text model "
+                        help="HF folder or hub id of a supported model (llama, mistral, qwen2/3, phi3, gemma2/3, ...) "
                              "(default: embedded SmolLM2-135M-Instruct)")
     add_dataset_arguments(parser)
     parser.add_argument("--nsamples", type=int, default=256,

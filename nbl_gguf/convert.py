@@ -29,7 +29,7 @@ DEFAULT_QUANT = "q4_k_m"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="HF folder or hub id of a llama, mistral, mixtral, qwen2, qwen3, phi3 or gemma3_text model "
+                        help="HF folder or hub id of a supported model (llama, mistral, qwen2/3, phi3, gemma2/3, ...) "
                              "(default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--m", type=int, default=None,
                         help="number of attention layers to replace (default: min(12, layers - 1))")

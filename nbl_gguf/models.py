@@ -49,6 +49,8 @@ ADAPTERS: dict[str, ModelAdapter] = {
     "qwen2": ModelAdapter("qwen2"),
     "qwen3": ModelAdapter("qwen3"),
     "phi3": ModelAdapter("phi3"),  # fused qkv_proj: the adapter needs only the module names
+    "smollm3": ModelAdapter("smollm3"),  # some layers without RoPE; the attention is replaced all the same
+    "gemma2": ModelAdapter("gemma2", attn_out_norm="post_attention_layernorm"),
     "gemma3_text": ModelAdapter("gemma3", attn_out_norm="post_attention_layernorm"),  # Gemma 3 270M/1B
 }
 

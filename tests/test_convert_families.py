@@ -5,8 +5,9 @@ in PyTorch (apply_nbl), which is an implementation independent of llama.cpp's gr
 Families other than llama exercise what is specific to them: Qwen2's Q/K/V biases and tied output,
 Qwen3's per-head Q/K norms (tensors that must leave the file with the attention), Mistral's conversion
 to the llama architecture, Mixtral's experts behind an NBL attention, Phi-3's fused QKV projection and
-partial rotary embedding, Gemma 3's norm after the attention (part of the replaced block: Y is taken
-after it, and it leaves the file with the attention) and its sliding-window cache.
+partial rotary embedding, SmolLM3's layers without RoPE, Gemma 2/3's norm after the attention (part of
+the replaced block: Y is taken after it, and it leaves the file with the attention), their
+sliding-window caches and Gemma 2's attention logit soft-capping.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ FAMILIES = {
     # partial rotary as in Phi-4-mini; the converter wants original_max_position_embeddings
     "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", dict(tie_word_embeddings=False, partial_rotary_factor=0.5,
                                                           original_max_position_embeddings=256)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", "smollm3", dict(tie_word_embeddings=True)),  # NoPE every 4th layer
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2", dict(tie_word_embeddings=True, head_dim=HEAD_DIM,
+                                                                 query_pre_attn_scalar=HEAD_DIM, sliding_window=512)),
     # sliding-window layers (iSWA cache) with a window longer than the test; llama.cpp scales Q by 1/sqrt(head_dim)
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3", dict(tie_word_embeddings=True, head_dim=HEAD_DIM,
                                                                            query_pre_attn_scalar=HEAD_DIM,
@@ -78,7 +82,8 @@ def tiny_family_model(family: str, root: Path, spm: bytes) -> Path:
     config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYER,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256, rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **extra)
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():
@@ -162,7 +167,7 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
     kept = [i for i in range(N_LAYER) if i not in summary.replaced]
     if name in ("qwen3", "gemma3_text"):
         assert {f"blk.{i}.attn_q_norm.weight" for i in kept} <= {t.name for t in reader.tensors}
-    if name == "gemma3_text":
+    if name in ("gemma2", "gemma3_text"):
         assert {f"blk.{i}.post_attention_norm.weight" for i in kept} <= {t.name for t in reader.tensors}
 
     types = artifact.layer_types(M, "cca", method)
