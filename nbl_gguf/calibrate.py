@@ -105,10 +105,10 @@ def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, 
     from tqdm import tqdm
 
     from nbl_gguf.capture import capture_activations
-    from nbl_gguf.models import base_model, decoder_layers
+    from nbl_gguf.models import base_model, decoder_layers, text_config
     from nbl_gguf.statistics import CosineAccumulator, MomentAccumulator
 
-    d = model.config.hidden_size
+    d = text_config(model.config).hidden_size
     count = len(decoder_layers(model))
     attn = [MomentAccumulator(d, d, stats_device, f"layer {i} attention") for i in range(count)]
     with_block = "block" in targets
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         loaded = models.load_model(args.model, args.dtype, args.device)
     model, config = loaded.model, loaded.config
     num_layers = len(models.decoder_layers(model))
-    d = config.hidden_size
+    d = models.text_config(config).hidden_size
     m = default_m(num_layers) if args.m is None else args.m
     if m > num_layers or m < 0:
         raise NblError(f"--m {m} is out of range: the model has {num_layers} layers")

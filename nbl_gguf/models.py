@@ -52,6 +52,9 @@ ADAPTERS: dict[str, ModelAdapter] = {
     "smollm3": ModelAdapter("smollm3"),  # some layers without RoPE; the attention is replaced all the same
     "gemma2": ModelAdapter("gemma2", attn_out_norm="post_attention_layernorm"),
     "gemma3_text": ModelAdapter("gemma3", attn_out_norm="post_attention_layernorm"),  # Gemma 3 270M/1B
+    # Gemma 3 4B and up (image-text): the decoder is the language model; the vision tower is left alone
+    "gemma3": ModelAdapter("gemma3", base="model.language_model", layers="model.language_model.layers",
+                           attn_out_norm="post_attention_layernorm"),
 }
 
 
@@ -225,5 +228,10 @@ def load_model(name_or_path: str | None = None, dtype: str | None = "auto", devi
     return LoadedModel(model, tokenizer, adapter, name, path, device, torch_dtype)
 
 
+def text_config(config):
+    """The decoder's config: itself for a text model, ``text_config`` for an image-text one."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def max_context(config) -> int | None:
-    return getattr(config, "max_position_embeddings", None)
+    return getattr(text_config(config), "max_position_embeddings", None)

@@ -112,7 +112,7 @@ def test_unsupported_architecture_is_named():
     from transformers import GPT2Config
 
     with pytest.raises(NblError, match=r"unsupported architecture 'gpt2'; supported model_type values: "
-                                       r"gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, smollm3$"):
+                                       r"gemma2, gemma3, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, smollm3$"):
         get_adapter(GPT2Config())
 
 

@@ -50,7 +50,30 @@ FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3", dict(tie_word_embeddings=True, head_dim=HEAD_DIM,
                                                                            query_pre_attn_scalar=HEAD_DIM,
                                                                            sliding_window=512)),
+    # image-text Gemma 3 (4B and up): the same decoder, nested beside a vision tower (see family_config)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForConditionalGeneration", "gemma3", dict(head_dim=HEAD_DIM,
+                                                                                    query_pre_attn_scalar=HEAD_DIM,
+                                                                                    sliding_window=512)),
 }
+
+
+def family_config(family: str, tokenizer):
+    import transformers
+
+    config_name, _, _, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYER,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256, rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id, **extra)
+    if family == "gemma3":
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=32, patch_size=8)
+        config = transformers.Gemma3Config(text_config=config.to_dict(), vision_config=vision.to_dict(),
+                                           mm_tokens_per_image=4, image_token_index=len(tokenizer) - 1,
+                                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                           pad_token_id=tokenizer.eos_token_id)
+    return config
 
 
 def sentencepiece_model(texts) -> bytes:
@@ -77,15 +100,10 @@ def tiny_family_model(family: str, root: Path, spm: bytes) -> Path:
 
     from nbl_gguf import models
 
-    config_name, model_name, _, extra = FAMILIES[family]
     tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
-    config = getattr(transformers, config_name)(
-        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYER,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256, rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id, **extra)
+    config = family_config(family, tokenizer)
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).eval()
+    model = getattr(transformers, FAMILIES[family][1])(config).eval()
     with torch.no_grad():
         # init leaves norms at 1 and biases at 0: perturb both so that a dropped Q/K norm or bias shows
         for name, param in model.named_parameters():
@@ -142,7 +160,7 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nbl_gguf import runtime
+    from nbl_gguf import models, runtime
     from nbl_gguf.apply import apply_nbl
     from nbl_gguf.convert import convert
 
@@ -165,16 +183,17 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
         assert not [n for n in names if gguf_nbl.is_attention_tensor(n, layer)]
         assert (f"blk.{layer}.attn_nbl.weight" in names) == (method == "attn-nbl")
     kept = [i for i in range(N_LAYER) if i not in summary.replaced]
-    if name in ("qwen3", "gemma3_text"):
+    if name in ("qwen3", "gemma3_text", "gemma3"):
         assert {f"blk.{i}.attn_q_norm.weight" for i in kept} <= {t.name for t in reader.tensors}
-    if name in ("gemma2", "gemma3_text"):
+    if name in ("gemma2", "gemma3_text", "gemma3"):
         assert {f"blk.{i}.post_attention_norm.weight" for i in kept} <= {t.name for t in reader.tensors}
 
     types = artifact.layer_types(M, "cca", method)
     assert [i for i, t in enumerate(types) if t] == summary.replaced
     reference = apply_nbl(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), types, artifact)
     stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokens = [int(t) for t in np.random.default_rng(3).integers(0, stock.config.vocab_size, 48)]
+    vocab = models.text_config(stock.config).vocab_size
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, vocab - 1, 48)]  # the last id: gemma3's image token
 
     llm, kv = runtime.load_model(output, n_ctx=64, logits_all=True, f32_kv=True)
     got = runtime.logits(llm, tokens)
