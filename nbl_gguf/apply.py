@@ -126,10 +126,10 @@ def apply_nbl(model, layer_types: Sequence[int] | Mapping[int, int], linear=None
             setattr(layer, adapter.attn, LinearAttention(weight, bias, index).to(device))
         elif kind == ATTN_DROP:
             setattr(layer, adapter.attn, ZeroAttention(index))
-        if kind in (ATTN_LINEAR, ATTN_DROP) and adapter.attn_out_norm:
-            # W x + b already is the block's output after this norm (the fit was taken there)
-            setattr(layer, adapter.attn_out_norm, nn.Identity())
         elif kind == BLOCK_LINEAR:
             weight, bias = _lookup(linear, index, "block")
             layers[index] = LinearBlock(weight, bias, index, tuple_output).to(device)
+        if kind in (ATTN_LINEAR, ATTN_DROP) and adapter.attn_out_norm:
+            # W x + b already is the block's output after this norm (the fit was taken there)
+            setattr(layer, adapter.attn_out_norm, nn.Identity())
     return model

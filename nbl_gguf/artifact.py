@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.solve import select_layers
 
 WEIGHTS = "nbl.safetensors"
 REPORT = "report.json"
@@ -26,6 +25,11 @@ PLOT = "scores.png"
 CRITERIA = ("cca", "nmse", "cosine")
 TARGETS = ("attn", "block")
 METHOD_TARGET = {"attn-nbl": "attn", "attn-drop": "attn", "block-nbl": "block"}
+
+
+def report_targets(report: dict) -> tuple[str, ...]:
+    """What was fitted: ('attn', 'block') or ('attn',) (artifacts older than the key have both)."""
+    return tuple(report.get("targets", TARGETS))
 
 
 class CalibrationArtifact:
@@ -40,8 +44,7 @@ class CalibrationArtifact:
 
     @property
     def targets(self) -> tuple[str, ...]:
-        """What was fitted: ('attn', 'block') or ('attn',) (artifacts older than the key have both)."""
-        return tuple(self.report.get("targets", TARGETS))
+        return report_targets(self.report)
 
     def _check_target(self, target: str) -> None:
         if target not in TARGETS:
@@ -65,6 +68,8 @@ class CalibrationArtifact:
 
     def select(self, m: int | None = None, criterion: str | None = None, method: str | None = None) -> list[int]:
         """Layers to replace; with no arguments, the selection made at calibration time."""
+        from nbl_gguf.solve import select_layers  # solve needs torch; reading an artifact does not
+
         chosen = self.report["selection"]
         m = chosen["m"] if m is None else m
         criterion = criterion or chosen["criterion"]
@@ -136,7 +141,7 @@ def plot_scores(path: Path, report: dict) -> None:
     fig, axes = plt.subplots(len(CRITERIA), 1, figsize=(max(6, 0.25 * len(layers) + 2), 8), sharex=True)
     for ax, criterion in zip(axes, CRITERIA):
         for name, style in (("attn", "o-"), ("block", "s--")):
-            if name not in report.get("targets", TARGETS):
+            if name not in report_targets(report):
                 continue
             ax.plot(x, [layer[name][criterion] for layer in layers], style, ms=3, label=name)
         if criterion == selection["criterion"]:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
+from nbl_gguf.artifact import TARGETS
 from nbl_gguf.errors import NblError
 
 METHODS = ("attn-nbl", "attn-drop", "block-nbl")
 CRITERIA = ("cca", "nmse", "cosine")
-TARGETS = ("attn", "block")
 DEFAULT_M = 12
 
 
@@ -112,9 +112,10 @@ def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, 
     count = len(decoder_layers(model))
     attn = [MomentAccumulator(d, d, stats_device, f"layer {i} attention") for i in range(count)]
     with_block = "block" in targets
-    block = [MomentAccumulator(d, d, stats_device, f"layer {i} block") for i in range(count if with_block else 0)]
+    block_count = count if with_block else 0
+    block = [MomentAccumulator(d, d, stats_device, f"layer {i} block") for i in range(block_count)]
     attn_cos = [CosineAccumulator(stats_device) for _ in range(count)]
-    block_cos = [CosineAccumulator(stats_device) for _ in range(count if with_block else 0)]
+    block_cos = [CosineAccumulator(stats_device) for _ in range(block_count)]
 
     def on_attention(i, h, x, y):
         attn[i].update(x, y)
@@ -206,8 +207,10 @@ def run(args: argparse.Namespace) -> int:
     tensors: dict[str, np.ndarray] = {}
     for i, (fa, fb) in enumerate(fits):
         entry = {"index": i}
-        for target, f, cos, acc in (("attn", fa, attn_cos[i], attn[i]),
-                                    *((("block", fb, block_cos[i], block[i]),) if fb is not None else ())):
+        per_target = [("attn", fa, attn_cos[i], attn[i])]
+        if fb is not None:
+            per_target.append(("block", fb, block_cos[i], block[i]))
+        for target, f, cos, acc in per_target:
             entry[target] = {"cca": f.cca_bound, "nmse": f.nmse, "cosine": cos, "ridge": f.ridge, "cond": f.cond}
             tensors[f"{target}.{i}.weight"] = f.weight.float().cpu().numpy()
             tensors[f"{target}.{i}.bias"] = f.bias.float().cpu().numpy()
