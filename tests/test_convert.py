@@ -5,7 +5,6 @@ The tiny model carries the embedded SmolLM2 tokenizer, which the pinned converte
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _convert_helpers import convert_args
 from nbl_gguf import cli, gguf_nbl
 from nbl_gguf.errors import NblError
 from nbl_gguf.llamacpp import bin_dir, source_dir
@@ -48,19 +48,6 @@ def tiny_hf(tmp_path_factory) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def convert_args(**overrides) -> argparse.Namespace:
-    from nbl_gguf import convert
-
-    parser = argparse.ArgumentParser()
-    convert.add_arguments(parser)
-    args = parser.parse_args([])
-    args.no_progress = True
-    args.nsamples, args.seqlen = 8, 64
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
 
 
 @pytest.fixture(scope="module")

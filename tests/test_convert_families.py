@@ -12,13 +12,13 @@ sliding-window caches and Gemma 2's attention logit soft-capping.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from _convert_helpers import convert_args
 from nbl_gguf import gguf_nbl
 from nbl_gguf.errors import NblError
 from nbl_gguf.llamacpp import bin_dir, source_dir
@@ -120,19 +120,6 @@ def tiny_family_model(family: str, root: Path, spm: bytes) -> Path:
         content[key] = empty
         (path / name).write_text(json.dumps(content), encoding="utf-8")
     return path
-
-
-def convert_args(**overrides) -> argparse.Namespace:
-    from nbl_gguf import convert
-
-    parser = argparse.ArgumentParser()
-    convert.add_arguments(parser)
-    args = parser.parse_args([])
-    args.no_progress = True
-    args.nsamples, args.seqlen, args.device = 8, 64, "cpu"
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
 
 
 @pytest.fixture(scope="module")

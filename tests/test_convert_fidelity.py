@@ -5,12 +5,12 @@ C4 text; then the q4_k_m NBL GGUF generating through llama-completion, llama-cli
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 
 import numpy as np
 import pytest
 
+from _convert_helpers import convert_args
 from nbl_gguf import gguf_nbl
 from nbl_gguf.llamacpp import bin_dir, source_dir
 
@@ -27,18 +27,6 @@ WINDOWS = 4
 PROMPT = "The capital of France is"
 
 
-def _args(**overrides) -> argparse.Namespace:
-    from nbl_gguf import convert
-
-    parser = argparse.ArgumentParser()
-    convert.add_arguments(parser)
-    args = parser.parse_args([])
-    args.no_progress = True
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
-
-
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     """Calibration (tiny: 6 x 128 tokens; fidelity needs the same W on both sides, not a good W),
@@ -52,9 +40,9 @@ def embedded(tmp_path_factory):
     root = tmp_path_factory.mktemp("fidelity")
     model_dir = models.default_model_dir()
     artifact_dir = calibrate_into(root / "calibration", model_dir,
-                                  _args(nsamples=6, seqlen=128, m=M, device="cpu"))
+                                  convert_args(nsamples=6, seqlen=128, m=M, device="cpu"))
     f32 = root / "nbl-f32.gguf"
-    summary = convert(_args(calibration=str(artifact_dir), m=M, quant="f32", output=str(f32)))
+    summary = convert(convert_args(calibration=str(artifact_dir), m=M, quant="f32", output=str(f32)))
     q4 = quantize(f32, root / "nbl-q4_k_m.gguf", "q4_k_m")
     return load_artifact(artifact_dir), summary, f32, q4
 
