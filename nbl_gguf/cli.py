@@ -13,11 +13,11 @@ import sys
 from nbl_gguf.errors import NblError
 
 COMMANDS = {
-    "calibrate": ("nbl_gguf.calibrate", "collect statistics, solve NBL weights, score and select layers"),
-    "convert": ("nbl_gguf.convert", "HF model -> NBL GGUF (calibrate, convert, rewrite, quantize)"),
-    "inspect": ("nbl_gguf.inspect", "show the NBL layer map, scores and tensors of a GGUF"),
-    "bench": ("nbl_gguf.bench", "speed and memory of NBL GGUFs against stock with llama-bench"),
-    "eval": ("nbl_gguf.eval", "perplexity and multiple-choice accuracy with llama-perplexity"),
+    "calibrate": ("nbl_gguf.calibration.calibrate", "collect statistics, solve NBL weights, score and select layers"),
+    "convert": ("nbl_gguf.gguf.convert", "HF model -> NBL GGUF (calibrate, convert, rewrite, quantize)"),
+    "inspect": ("nbl_gguf.gguf.inspect", "show the NBL layer map, scores and tensors of a GGUF"),
+    "bench": ("nbl_gguf.measurement.bench", "speed and memory of NBL GGUFs against stock with llama-bench"),
+    "eval": ("nbl_gguf.measurement.eval", "perplexity and multiple-choice accuracy with llama-perplexity"),
 }
 
 

@@ -28,9 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nbl_gguf import data, models  # noqa: E402
-from nbl_gguf.calibrate import collect_statistics, solve_all  # noqa: E402
-from nbl_gguf.capture import capture_activations  # noqa: E402
+from nbl_gguf import models  # noqa: E402
+from nbl_gguf.calibration import dataset
+from nbl_gguf.calibration.calibrate import collect_statistics, solve_all  # noqa: E402
+from nbl_gguf.calibration.capture import capture_activations  # noqa: E402
 
 # The real Llama-3.1-8B architecture (config.json of meta-llama/Llama-3.1-8B), weights left random.
 CONFIGS = {
@@ -153,7 +154,7 @@ def main() -> int:
     else:
         loaded = models.load_model(args.model, args.dtype, device)
         model, name = loaded.model, loaded.name
-        calib = data.load_calibration(loaded.tokenizer, None, args.nsamples, args.seqlen,
+        calib = dataset.load_calibration(loaded.tokenizer, None, args.nsamples, args.seqlen,
                                       max_positions=models.max_context(model.config))
         input_ids = calib.input_ids
     load_s = time.perf_counter() - t0

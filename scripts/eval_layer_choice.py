@@ -37,17 +37,18 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from nbl_gguf import data, models
-    from nbl_gguf import eval as ev
-    from nbl_gguf.apply import apply_nbl
-    from nbl_gguf.artifact import load_artifact
-    from nbl_gguf.capture import capture_activations
-    from nbl_gguf.solve import select_layers
+    from nbl_gguf import models
+    from nbl_gguf.calibration import dataset
+    from nbl_gguf.measurement import eval as ev
+    from nbl_gguf.calibration.apply import apply_nbl
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.calibration.capture import capture_activations
+    from nbl_gguf.calibration.solve import select_layers
 
     artifact = load_artifact(args.calibration)
     loaded = models.load_model(artifact.report["model"]["path"], "fp32", "cpu")
     model, n = loaded.model, artifact.num_layers
-    calib = data.load_calibration(loaded.tokenizer, None, args.windows, args.seqlen)
+    calib = dataset.load_calibration(loaded.tokenizer, None, args.windows, args.seqlen)
     sums = {k: np.zeros(n) for k in ("err", "y2", "yc", "resid")}
     maps = [tuple(torch.as_tensor(a, dtype=torch.float32) for a in artifact.linear(i, "attn")) for i in range(n)]
     ys = [[] for _ in range(n)]
@@ -94,7 +95,7 @@ def main() -> int:
         tokens, bos = loaded.tokenizer(text)["input_ids"], None
     results = {}
     for name, (method, layers) in selections.items():
-        from nbl_gguf.apply import METHOD_LAYER_TYPE
+        from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
 
         types = [METHOD_LAYER_TYPE[method] if i in layers else 0 for i in range(n)]
         candidate = apply_nbl(copy.deepcopy(model), types, artifact)

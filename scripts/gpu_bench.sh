@@ -88,7 +88,7 @@ stage_build() {
 stage_models() {
     "$PYTHON" - "$work" <<'EOF'
 import sys
-from nbl_gguf import synthetic
+from nbl_gguf.fixtures import synthetic
 shape = synthetic.get_shape("llama-3.1-8b")
 print(synthetic.make_pair(shape, "q4_k_m", [12], f"{sys.argv[1]}/synthetic", log=lambda m: print(m, flush=True)))
 EOF

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from nbl_gguf import llamacpp
+from nbl_gguf.llamacpp import tools as llamacpp
 
 OUTPUT = "model-nbl.gguf"
 PROMPT = "What is the capital of France?"

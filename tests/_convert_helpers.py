@@ -8,7 +8,7 @@ import argparse
 def convert_args(**overrides) -> argparse.Namespace:
     """`convert`'s defaults as its parser gives them, no progress bars, and a tiny CPU calibration
     (8 windows of 64 tokens) unless overridden."""
-    from nbl_gguf import convert
+    from nbl_gguf.gguf import convert
 
     parser = argparse.ArgumentParser()
     convert.add_arguments(parser)

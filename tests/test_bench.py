@@ -8,11 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from nbl_gguf import bench, roofline
+from nbl_gguf.measurement import bench
+from nbl_gguf.measurement import roofline
 from nbl_gguf.cli import main
 from nbl_gguf.errors import NblError
-from nbl_gguf.gguf_nbl import ATTENTION as A, DROPPED as D, LINEAR as L
-from nbl_gguf.tiny import TinyLlama
+from nbl_gguf.gguf.nbl_format import ATTENTION as A, DROPPED as D, LINEAR as L
+from nbl_gguf.fixtures.tiny import TinyLlama
 
 # TinyLlama defaults: 3 layers, n_embd 64, 4 heads of 16, 2 KV heads, n_ff 96, vocab 3 + 256, F32, untied
 D_MODEL, HD, N_HEAD, N_KV, N_FF, VOCAB = 64, 16, 4, 2, 96, 259
@@ -186,13 +187,13 @@ def test_bad_inputs_are_clear_errors(tiny, tmp_path):
     import gguf
 
     f16 = tmp_path / "f16-nbl.gguf"
-    from nbl_gguf import gguf_nbl
+    from nbl_gguf.gguf import nbl_format
 
     model = tiny["model"]
     stock16 = tmp_path / "stock16.gguf"
     model.write_gguf(stock16, extra_kv={"general.file_type": (int(gguf.LlamaFileType.MOSTLY_F16),
                                                               gguf.GGUFValueType.UINT32, None)})
-    gguf_nbl.write_nbl_gguf(stock16, f16, gguf_nbl.NblLayers([A, L, A], model.random_linear([1])))
+    nbl_format.write_nbl_gguf(stock16, f16, nbl_format.NblLayers([A, L, A], model.random_linear([1])))
     with pytest.raises(NblError, match="quantized differently"):
         bench.resolve_models(_args(baseline=str(tiny["stock"]), nbl=[str(f16)]))
 
@@ -209,7 +210,7 @@ def test_argument_errors():
     quick = _args(quick=True)
     bench.apply_presets(quick)
     assert quick.model == "embedded" and quick.depths == [0, 512] and quick.m == [8, 12]
-    from nbl_gguf import synthetic
+    from nbl_gguf.fixtures import synthetic
 
     with pytest.raises(NblError, match="unknown --shape"):
         synthetic.get_shape("llama-99b")
@@ -247,7 +248,7 @@ def test_bench_end_to_end_on_tiny_models(tiny, tmp_path, capsys):
 
 def test_nbl_layers_read_back_for_hf(tiny):
     pytest.importorskip("torch")
-    from nbl_gguf.hf_bench import nbl_layers_from_gguf
+    from nbl_gguf.measurement.hf_compare import nbl_layers_from_gguf
 
     types, linear = nbl_layers_from_gguf(tiny["nbl"])
     want = tiny["model"].random_linear([1])
@@ -257,7 +258,7 @@ def test_nbl_layers_read_back_for_hf(tiny):
 
 
 def test_kv_log_of_plain_and_sliding_window_contexts():
-    from nbl_gguf.runtime import kv_caches
+    from nbl_gguf.llamacpp.library import kv_caches
 
     line = ("llama_kv_cache: size = {mib:7.2f} MiB ({cells:6d} cells, {layers:3d} layers,  1/1 seqs), "
             "K (f16): {half:7.2f} MiB, V (f16): {half:7.2f} MiB")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from _calibrate_helpers import word_tokenizer
-from nbl_gguf import data
+from nbl_gguf.calibration import dataset
 from nbl_gguf.errors import NblError
 
 DOCS = ["alpha beta gamma", "delta epsilon", "zeta eta theta iota"]
@@ -32,12 +32,12 @@ def files(tmp_path):
 
 @pytest.mark.parametrize("kind", ["txt", "json", "json-strings", "jsonl", "parquet"])
 def test_local_files_yield_their_documents(files, kind):
-    assert list(data.iter_texts(str(files[kind]))) == DOCS
+    assert list(dataset.iter_texts(str(files[kind]))) == DOCS
 
 
 def test_windows_join_documents_with_eos(files):
     tok = word_tokenizer(DOCS)
-    calib = data.build_windows(tok, data.iter_texts(str(files["jsonl"])), nsamples=2, seqlen=4)
+    calib = dataset.build_windows(tok, dataset.iter_texts(str(files["jsonl"])), nsamples=2, seqlen=4)
     ids = calib.input_ids.tolist()
     eos = tok.eos_token_id
     words = [tok.convert_ids_to_tokens(i) for i in ids[0] + ids[1]]
@@ -48,14 +48,14 @@ def test_windows_join_documents_with_eos(files):
 
 def test_fewer_windows_than_requested_are_reported_not_invented(files):
     tok = word_tokenizer(DOCS)
-    calib = data.build_windows(tok, data.iter_texts(str(files["txt"])), nsamples=100, seqlen=5)
+    calib = dataset.build_windows(tok, dataset.iter_texts(str(files["txt"])), nsamples=100, seqlen=5)
     assert calib.nsamples == 2 and calib.requested_samples == 100  # 11 tokens -> 2 full windows
 
 
 def test_seqlen_is_capped_by_the_context():
-    assert data.effective_seqlen(2048, 512) == 512
-    assert data.effective_seqlen(256, 8192) == 256
-    assert data.effective_seqlen(256, None) == 256
+    assert dataset.effective_seqlen(2048, 512) == 512
+    assert dataset.effective_seqlen(256, 8192) == 256
+    assert dataset.effective_seqlen(256, None) == 256
 
 
 def test_empty_and_too_short_datasets_are_clear_errors(tmp_path, files):
@@ -63,23 +63,23 @@ def test_empty_and_too_short_datasets_are_clear_errors(tmp_path, files):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(NblError, match="contains no text"):
-        data.build_windows(tok, data.iter_texts(str(empty)), 4, 8, name=str(empty))
+        dataset.build_windows(tok, dataset.iter_texts(str(empty)), 4, 8, name=str(empty))
     with pytest.raises(NblError, match=r"only 11 tokens, fewer than one window of --seqlen 64"):
-        data.build_windows(tok, data.iter_texts(str(files["txt"])), 4, 64)
+        dataset.build_windows(tok, dataset.iter_texts(str(files["txt"])), 4, 64)
     with pytest.raises(NblError, match="does not exist"):
-        list(data.iter_texts(str(tmp_path / "missing.json")))
+        list(dataset.iter_texts(str(tmp_path / "missing.json")))
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n")
     with pytest.raises(NblError, match="unsupported file type '.csv'"):
-        list(data.iter_texts(str(bad)))
+        list(dataset.iter_texts(str(bad)))
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps([{"body": "x"}]))
     with pytest.raises(NblError, match="'text' string"):
-        list(data.iter_texts(str(wrong)))
+        list(dataset.iter_texts(str(wrong)))
 
 
 def test_bundled_sample_split():
-    calibration = list(data.iter_texts(None))
-    heldout = data.heldout_texts()
+    calibration = list(dataset.iter_texts(None))
+    heldout = dataset.heldout_texts()
     assert len(calibration) == 256 and len(heldout) == 44
     assert not set(calibration) & set(heldout)

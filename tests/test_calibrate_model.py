@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
-from nbl_gguf import calibrate
-from nbl_gguf.apply import ATTN_DROP, ATTN_LINEAR, BLOCK_LINEAR, KEEP, apply_nbl
-from nbl_gguf.artifact import load_artifact
-from nbl_gguf.capture import capture_activations
+from nbl_gguf.calibration import calibrate
+from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, BLOCK_LINEAR, KEEP, apply_nbl
+from nbl_gguf.calibration.artifact import load_artifact
+from nbl_gguf.calibration.capture import capture_activations
 from nbl_gguf.errors import NblError
 from nbl_gguf.models import get_adapter
 
@@ -159,7 +159,7 @@ def test_calibrate_end_to_end_artifact(tiny_checkpoint):
 
     # The stored maps are the LMMSE fits of the captured activations (independent numpy solve).
     model = tiny_model(layers=3, vocab=len(word_tokenizer(sample_texts(60, 40))))
-    from nbl_gguf.data import iter_texts, build_windows
+    from nbl_gguf.calibration.dataset import iter_texts, build_windows
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint / "model")
@@ -230,7 +230,7 @@ def test_calibrate_user_errors(tiny_checkpoint):
 
 
 def test_nan_activations_abort_calibration_naming_the_layer(tiny_checkpoint):
-    from nbl_gguf.calibrate import collect_statistics
+    from nbl_gguf.calibration.calibrate import collect_statistics
 
     model = tiny_model(layers=3)
     with torch.no_grad():

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.solve import canonical_correlations, fit, ranking, select_layers
-from nbl_gguf.statistics import MomentAccumulator
+from nbl_gguf.calibration.solve import canonical_correlations, fit, ranking, select_layers
+from nbl_gguf.calibration.statistics import MomentAccumulator
 
 
 def moments_of(x, y):

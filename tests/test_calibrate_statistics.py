@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.statistics import CosineAccumulator, MomentAccumulator
+from nbl_gguf.calibration.statistics import CosineAccumulator, MomentAccumulator
 
 
 def test_streamed_batches_equal_one_shot():

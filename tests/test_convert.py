@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from _convert_helpers import convert_args
-from nbl_gguf import cli, gguf_nbl
+from nbl_gguf import cli
+from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
-from nbl_gguf.llamacpp import bin_dir, source_dir
+from nbl_gguf.llamacpp.tools import bin_dir, source_dir
 
 needs_converter = pytest.mark.skipif(not (source_dir() / "convert_hf_to_gguf.py").is_file(),
                                      reason="pinned llama.cpp source not unpacked (scripts/build_llama.sh)")
@@ -52,7 +53,7 @@ def tiny_hf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_artifact(tiny_hf, tmp_path_factory) -> Path:
-    from nbl_gguf.convert import calibrate_into
+    from nbl_gguf.gguf.convert import calibrate_into
 
     out = tmp_path_factory.mktemp("calib") / "artifact"
     return calibrate_into(out, tiny_hf, convert_args(model=str(tiny_hf), m=2))
@@ -70,7 +71,7 @@ def test_stock_conversion_by_pinned_converter(tiny_hf, tmp_path, monkeypatch):
 
     import gguf
 
-    from nbl_gguf.hf_to_gguf import convert_hf_to_gguf
+    from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
 
     # relative paths work although the converter runs in its own directory
     monkeypatch.chdir(tmp_path)
@@ -82,12 +83,12 @@ def test_stock_conversion_by_pinned_converter(tiny_hf, tmp_path, monkeypatch):
     assert str(reader.fields["tokenizer.ggml.pre"].contents()) == "smollm"  # the converter's tokenizer handling
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["blk.0.attn_q.weight"] == "F16" and types["blk.0.attn_norm.weight"] == "F32"
-    assert gguf_nbl.read_layer_types(reader) is None
+    assert nbl_format.read_layer_types(reader) is None
     assert listing(tmp_path) == {"stock.gguf"}
 
 
 def test_hf_to_gguf_rejects_non_model_folders(tmp_path):
-    from nbl_gguf.hf_to_gguf import convert_hf_to_gguf
+    from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
 
     with pytest.raises(NblError, match="does not exist"):
         convert_hf_to_gguf(tmp_path / "missing", tmp_path / "x.gguf")
@@ -102,7 +103,7 @@ def test_hf_to_gguf_rejects_non_model_folders(tmp_path):
 
 @needs_converter
 def test_hf_to_gguf_converter_failure_is_a_clear_error(tmp_path):
-    from nbl_gguf.hf_to_gguf import convert_hf_to_gguf
+    from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
     (tmp_path / "model.safetensors").write_bytes(b"not really")
@@ -115,7 +116,7 @@ def test_hf_to_gguf_converter_failure_is_a_clear_error(tmp_path):
 
 @needs_quantize
 def test_quant_types_from_llama_quantize():
-    from nbl_gguf.quantize import normalize_quant, quant_types
+    from nbl_gguf.gguf.quantize import normalize_quant, quant_types
 
     types = quant_types()
     assert {"Q4_K_M", "Q5_K_M", "Q8_0", "F16", "IQ4_XS"} <= set(types)
@@ -128,8 +129,8 @@ def test_quant_types_from_llama_quantize():
 def test_quantize_nbl_gguf(tmp_path):
     import gguf
 
-    from nbl_gguf.quantize import quantize
-    from nbl_gguf.tiny import TinyLlama
+    from nbl_gguf.gguf.quantize import quantize
+    from nbl_gguf.fixtures.tiny import TinyLlama
 
     # rows of 256 so that k-quants apply to every matrix
     model = TinyLlama(n_layer=3, n_embd=256, n_head=4, n_head_kv=2, n_ff=512)
@@ -139,7 +140,7 @@ def test_quantize_nbl_gguf(tmp_path):
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["blk.1.attn_nbl.weight"] == "Q8_0"
     assert types["blk.1.attn_nbl.bias"] == "F32"
-    assert gguf_nbl.read_layer_types(reader) == [0, 1, 2]
+    assert nbl_format.read_layer_types(reader) == [0, 1, 2]
     assert listing(tmp_path) == {"nbl-f32.gguf", "nbl-q8.gguf"}
 
 
@@ -152,7 +153,7 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
     """Calibrate + convert + rewrite + imatrix + q4_k_m, twice: byte-identical, no leftovers."""
     import gguf
 
-    from nbl_gguf.convert import convert
+    from nbl_gguf.gguf.convert import convert
 
     outputs = []
     for run in ("a", "b"):
@@ -171,10 +172,10 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
     assert "KV cache bytes/token" in table and "-50.0%" in table
 
     reader = gguf.GGUFReader(outputs[0])
-    types = gguf_nbl.read_layer_types(reader)
-    assert [i for i, t in enumerate(types) if t == gguf_nbl.LINEAR] == summary.replaced
-    assert str(reader.fields[gguf_nbl.METHOD_KEY].contents()) == "attn-nbl"
-    calibration = json.loads(str(reader.fields[gguf_nbl.CALIBRATION_KEY].contents()))
+    types = nbl_format.read_layer_types(reader)
+    assert [i for i, t in enumerate(types) if t == nbl_format.LINEAR] == summary.replaced
+    assert str(reader.fields[nbl_format.METHOD_KEY].contents()) == "attn-nbl"
+    calibration = json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))
     assert calibration["seed"] == 3 and calibration["nsamples"] == 8 and calibration["seqlen"] == 64
     assert int(reader.fields["general.file_type"].contents()) == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     assert "quantize.imatrix.file" in reader.fields
@@ -187,7 +188,7 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
 def test_convert_reuses_calibration_attn_drop_f16(tiny_hf, tiny_artifact, tmp_path, capsys):
     import gguf
 
-    from nbl_gguf.artifact import load_artifact
+    from nbl_gguf.calibration.artifact import load_artifact
 
     out = tmp_path / "drop.gguf"
     code = cli.main(["convert", "--model", str(tiny_hf), "--calibration", str(tiny_artifact), "--m", "1",
@@ -198,9 +199,9 @@ def test_convert_reuses_calibration_attn_drop_f16(tiny_hf, tiny_artifact, tmp_pa
     artifact = load_artifact(tiny_artifact)
     dropped = artifact.select(1, "nmse", "attn-drop")
     reader = gguf.GGUFReader(out)
-    assert gguf_nbl.read_layer_types(reader) == [2 if i in dropped else 0 for i in range(N_LAYER)]
+    assert nbl_format.read_layer_types(reader) == [2 if i in dropped else 0 for i in range(N_LAYER)]
     assert not any(t.name.startswith(f"blk.{dropped[0]}.attn_") and "norm" not in t.name for t in reader.tensors)
-    scores = list(reader.fields[gguf_nbl.SCORES_KEY].contents())
+    scores = list(reader.fields[nbl_format.SCORES_KEY].contents())
     np.testing.assert_allclose(scores, artifact.scores("nmse"), rtol=1e-6)
     assert {t.tensor_type.name for t in reader.tensors if t.name.endswith("attn_q.weight")} == {"F16"}
     assert listing(tmp_path) == {"drop.gguf"}
@@ -224,7 +225,7 @@ def test_convert_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkey
     """A failure (here: an interrupt while the NBL tensors are written) leaves no GGUF and no temp files."""
     import gguf
 
-    from nbl_gguf.convert import convert
+    from nbl_gguf.gguf.convert import convert
 
     calls = {"n": 0}
     original = gguf.GGUFWriter.write_tensor_data
@@ -247,8 +248,8 @@ def test_convert_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkey
 @needs_quantize
 @needs_converter
 def test_convert_quantize_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkeypatch):
-    from nbl_gguf import quantize as quantize_module
-    from nbl_gguf.convert import convert
+    from nbl_gguf.gguf import quantize as quantize_module
+    from nbl_gguf.gguf.convert import convert
 
     real = quantize_module.run_tool
     calls = []
@@ -286,7 +287,7 @@ def test_convert_bad_inputs(tiny_hf, tmp_path, capsys):
 
 @needs_converter
 def test_convert_rejects_calibration_of_another_model(tiny_hf, tiny_artifact, tmp_path):
-    from nbl_gguf.convert import convert
+    from nbl_gguf.gguf.convert import convert
 
     other = tmp_path / "other"
     shutil.copytree(tiny_hf, other)
@@ -302,8 +303,8 @@ def test_convert_rejects_calibration_of_another_model(tiny_hf, tiny_artifact, tm
 # --- inspect -------------------------------------------------------------------------------------
 
 def test_inspect_stock_and_nbl_tiny_gguf(tmp_path, capsys):
-    from nbl_gguf.inspect import describe
-    from nbl_gguf.tiny import TinyLlama
+    from nbl_gguf.gguf.inspect import describe
+    from nbl_gguf.fixtures.tiny import TinyLlama
 
     model = TinyLlama(n_layer=3, n_embd=64, n_head=4, n_head_kv=2)
     stock = model.write_gguf(tmp_path / "stock.gguf")
@@ -317,7 +318,7 @@ def test_inspect_stock_and_nbl_tiny_gguf(tmp_path, capsys):
     assert "attn_k:F32 attn_output:F32 attn_q:F32 attn_v:F32" in text
 
     nbl = tmp_path / "nbl.gguf"
-    gguf_nbl.write_nbl_gguf(stock, nbl, gguf_nbl.NblLayers(
+    nbl_format.write_nbl_gguf(stock, nbl, nbl_format.NblLayers(
         types=[1, 0, 2], linear=model.random_linear([0]), method="attn-nbl", criterion="cca",
         scores=[0.1, 0.5, 0.2], calibration={"model": "tiny", "seed": 7}))
     info = describe(nbl)
@@ -349,7 +350,7 @@ def test_inspect_does_not_import_torch(tmp_path):
     import subprocess
     import sys
 
-    from nbl_gguf.tiny import TinyLlama
+    from nbl_gguf.fixtures.tiny import TinyLlama
 
     path = TinyLlama(n_layer=2).write_gguf(tmp_path / "stock.gguf")
     code = ("import sys; from nbl_gguf import cli; cli.main(['inspect', sys.argv[1]]); "

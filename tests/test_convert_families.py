@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from _convert_helpers import convert_args
-from nbl_gguf import gguf_nbl
+from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
-from nbl_gguf.llamacpp import bin_dir, source_dir
+from nbl_gguf.llamacpp.tools import bin_dir, source_dir
 
 pytestmark = [
     pytest.mark.llama,
@@ -124,7 +124,7 @@ def tiny_family_model(family: str, root: Path, spm: bytes) -> Path:
 
 @pytest.fixture(scope="module")
 def spm():
-    from nbl_gguf.data import heldout_texts
+    from nbl_gguf.calibration.dataset import heldout_texts
 
     return sentencepiece_model(heldout_texts())
 
@@ -132,8 +132,8 @@ def spm():
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, spm, tmp_path_factory):
     """A tiny model of the family and one calibration of it (shared by both methods)."""
-    from nbl_gguf.artifact import load_artifact
-    from nbl_gguf.convert import calibrate_into
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf.convert import calibrate_into
 
     root = tmp_path_factory.mktemp(request.param)
     model_dir = tiny_family_model(request.param, root, spm)
@@ -147,9 +147,10 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nbl_gguf import models, runtime
-    from nbl_gguf.apply import apply_nbl
-    from nbl_gguf.convert import convert
+    from nbl_gguf import models
+    from nbl_gguf.llamacpp import library
+    from nbl_gguf.calibration.apply import apply_nbl
+    from nbl_gguf.gguf.convert import convert
 
     name, model_dir, artifact_dir, artifact = family
     output = tmp_path / f"{name}-{method}.gguf"
@@ -159,15 +160,15 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
 
     reader = gguf.GGUFReader(output)
     assert str(reader.fields["general.architecture"].contents()) == FAMILIES[name][2]
-    layer_type = gguf_nbl.LINEAR if method == "attn-nbl" else gguf_nbl.DROPPED
-    assert gguf_nbl.read_layer_types(reader) == [layer_type if i in summary.replaced else gguf_nbl.ATTENTION
+    layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
+    assert nbl_format.read_layer_types(reader) == [layer_type if i in summary.replaced else nbl_format.ATTENTION
                                                  for i in range(N_LAYER)]
     # a replaced layer keeps its norm and MLP and carries nothing of its attention
     for layer in summary.replaced:
-        names = {t.name for t in reader.tensors if gguf_nbl.layer_of(t.name) == layer}
+        names = {t.name for t in reader.tensors if nbl_format.layer_of(t.name) == layer}
         assert f"blk.{layer}.attn_norm.weight" in names
         assert names & {f"blk.{layer}.ffn_down.weight", f"blk.{layer}.ffn_down_exps.weight"}
-        assert not [n for n in names if gguf_nbl.is_attention_tensor(n, layer)]
+        assert not [n for n in names if nbl_format.is_attention_tensor(n, layer)]
         assert (f"blk.{layer}.attn_nbl.weight" in names) == (method == "attn-nbl")
     kept = [i for i in range(N_LAYER) if i not in summary.replaced]
     if name in ("qwen3", "gemma3_text", "gemma3"):
@@ -182,8 +183,8 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
     vocab = models.text_config(stock.config).vocab_size
     tokens = [int(t) for t in np.random.default_rng(3).integers(0, vocab - 1, 48)]  # the last id: gemma3's image token
 
-    llm, kv = runtime.load_model(output, n_ctx=64, logits_all=True, f32_kv=True)
-    got = runtime.logits(llm, tokens)
+    llm, kv = library.load_model(output, n_ctx=64, logits_all=True, f32_kv=True)
+    got = library.logits(llm, tokens)
     with torch.no_grad():
         want = reference(torch.tensor([tokens])).logits[0].double().numpy()
         want_stock = stock(torch.tensor([tokens])).logits[0].double().numpy()
@@ -232,23 +233,23 @@ def _as_architecture(src: Path, dst: Path, arch: str) -> Path:
 
 
 def test_unsupported_architectures_are_named_by_writer_and_loader(tmp_path):
-    from nbl_gguf import runtime
-    from nbl_gguf.tiny import TinyLlama
+    from nbl_gguf.llamacpp import library
+    from nbl_gguf.fixtures.tiny import TinyLlama
 
     model = TinyLlama(n_layer=3)
-    types = [gguf_nbl.ATTENTION, gguf_nbl.LINEAR, gguf_nbl.ATTENTION]
+    types = [nbl_format.ATTENTION, nbl_format.LINEAR, nbl_format.ATTENTION]
     nbl = model.write_nbl_gguf(tmp_path / "llama-nbl.gguf", types, model.random_linear([1]))
     stock = model.write_gguf(tmp_path / "llama.gguf")
 
     with pytest.raises(NblError, match=r"is a 'granite' model; the patched llama.cpp runs NBL layers for llama, qwen2, qwen3"):
-        gguf_nbl.write_nbl_gguf(_as_architecture(stock, tmp_path / "granite.gguf", "granite"), tmp_path / "out.gguf",
-                                gguf_nbl.NblLayers(types=types, linear=model.random_linear([1])))
+        nbl_format.write_nbl_gguf(_as_architecture(stock, tmp_path / "granite.gguf", "granite"), tmp_path / "out.gguf",
+                                nbl_format.NblLayers(types=types, linear=model.random_linear([1])))
     assert not (tmp_path / "out.gguf").exists()
 
     # a file from elsewhere that marks layers of an architecture without NBL support: refused by name,
     # before llama.cpp looks for the attention tensors the file does not carry
     with pytest.raises(NblError, match=r"granite.nbl.layer_types: NBL layers are not supported for architecture 'granite'"):
-        runtime.load_model(_as_architecture(nbl, tmp_path / "granite-nbl.gguf", "granite"), n_ctx=64)
+        library.load_model(_as_architecture(nbl, tmp_path / "granite-nbl.gguf", "granite"), n_ctx=64)
 
 
 def test_python_and_llama_cpp_agree_on_the_supported_architectures():
@@ -261,5 +262,5 @@ def test_python_and_llama_cpp_agree_on_the_supported_architectures():
     names = re.search(r"LLM_ARCH_NAMES = \{(.*?)\n\};", source, re.S).group(1)
     arch_names = dict(re.findall(r"\{\s*(LLM_ARCH_\w+),\s*\"([\w-]+)\"\s*\}", names))
     in_cpp = {arch_names[case] for case in re.findall(r"case (LLM_ARCH_\w+):", body)}
-    assert in_cpp == set(gguf_nbl.SUPPORTED_ARCHITECTURES)
+    assert in_cpp == set(nbl_format.SUPPORTED_ARCHITECTURES)
     assert {adapter.gguf_arch for adapter in ADAPTERS.values()} == in_cpp

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from _convert_helpers import convert_args
-from nbl_gguf import gguf_nbl
-from nbl_gguf.llamacpp import bin_dir, source_dir
+from nbl_gguf.gguf import nbl_format
+from nbl_gguf.llamacpp.tools import bin_dir, source_dir
 
 pytestmark = [
     pytest.mark.llama,
@@ -33,9 +33,9 @@ def embedded(tmp_path_factory):
     the F32 NBL GGUF and its q4_k_m quantization."""
     pytest.importorskip("llama_cpp")
     from nbl_gguf import models
-    from nbl_gguf.artifact import load_artifact
-    from nbl_gguf.convert import calibrate_into, convert
-    from nbl_gguf.quantize import quantize
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf.convert import calibrate_into, convert
+    from nbl_gguf.gguf.quantize import quantize
 
     root = tmp_path_factory.mktemp("fidelity")
     model_dir = models.default_model_dir()
@@ -48,7 +48,7 @@ def embedded(tmp_path_factory):
 
 
 def _heldout_windows(tokenizer) -> list[list[int]]:
-    from nbl_gguf.data import heldout_texts
+    from nbl_gguf.calibration.dataset import heldout_texts
 
     stream: list[int] = []
     for text in reversed(heldout_texts()):  # the last documents of the bundled sample
@@ -71,8 +71,9 @@ def _nll(logits: np.ndarray, tokens: list[int]) -> np.ndarray:
 def test_f32_nbl_gguf_matches_pytorch_nbl(embedded):
     import torch
 
-    from nbl_gguf import models, runtime
-    from nbl_gguf.apply import apply_nbl
+    from nbl_gguf import models
+    from nbl_gguf.llamacpp import library
+    from nbl_gguf.calibration.apply import apply_nbl
 
     artifact, summary, f32, _ = embedded
     types = artifact.layer_types(M, "cca", "attn-nbl")
@@ -82,14 +83,14 @@ def test_f32_nbl_gguf_matches_pytorch_nbl(embedded):
     model = apply_nbl(loaded.model, types, artifact)
     windows = _heldout_windows(loaded.tokenizer)
 
-    llm, kv = runtime.load_model(f32, n_ctx=WINDOW, logits_all=True, f32_kv=True)
+    llm, kv = library.load_model(f32, n_ctx=WINDOW, logits_all=True, f32_kv=True)
     assert kv is None or kv.layers == summary.n_layer - M
     agree = total = 0
     nll_hf, nll_gguf = [], []
     for tokens in windows:
         with torch.no_grad():
             ref = model(torch.tensor([tokens])).logits[0].double().numpy()
-        got = runtime.logits(llm, tokens)
+        got = library.logits(llm, tokens)
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         total += len(tokens)
         nll_hf.append(_nll(ref, tokens))
@@ -104,11 +105,11 @@ def test_f32_nbl_gguf_matches_pytorch_nbl(embedded):
 def test_q4_k_m_nbl_gguf_generates(embedded):
     import gguf
 
-    from nbl_gguf import runtime
+    from nbl_gguf.llamacpp import library
 
     _, summary, _, q4 = embedded
     reader = gguf.GGUFReader(q4)
-    assert [i for i, t in enumerate(gguf_nbl.read_layer_types(reader)) if t == gguf_nbl.LINEAR] == summary.replaced
+    assert [i for i, t in enumerate(nbl_format.read_layer_types(reader)) if t == nbl_format.LINEAR] == summary.replaced
 
     completion = subprocess.run(
         [str(bin_dir() / "llama-completion"), "-m", str(q4), "-p", PROMPT, "-n", "8", "--temp", "0", "--seed", "0",
@@ -125,7 +126,7 @@ def test_q4_k_m_nbl_gguf_generates(embedded):
     answer = cli.stdout.split("What is the capital of France?", 1)[-1]
     assert answer.strip(), cli.stdout[-2000:]
 
-    llm, _ = runtime.load_model(q4, n_ctx=256)
+    llm, _ = library.load_model(q4, n_ctx=256)
     out = llm.create_completion(PROMPT, max_tokens=8, temperature=0.0)
     text = out["choices"][0]["text"]
     assert text.strip() and out["usage"]["completion_tokens"] > 0

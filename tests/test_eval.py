@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nbl_gguf import cli, gguf_nbl
-from nbl_gguf import eval as ev
+from nbl_gguf import cli
+from nbl_gguf.gguf import nbl_format
+from nbl_gguf.measurement import eval as ev
 from nbl_gguf.errors import NblError
-from nbl_gguf.llamacpp import bin_dir
-from nbl_gguf.tiny import TinyLlama
+from nbl_gguf.llamacpp.tools import bin_dir
+from nbl_gguf.fixtures.tiny import TinyLlama
 
 needs_perplexity = pytest.mark.skipif(not (bin_dir() / "llama-perplexity").is_file(),
                                       reason="patched llama-perplexity not built (scripts/build_llama.sh)")
@@ -133,7 +134,7 @@ def test_perplexity_matches_numpy_chunking(tiny, tmp_path, nbl):
     types, linear = None, None
     gguf = tmp_path / "m.gguf"
     if nbl:
-        types = [gguf_nbl.LINEAR, gguf_nbl.ATTENTION, gguf_nbl.DROPPED]
+        types = [nbl_format.LINEAR, nbl_format.ATTENTION, nbl_format.DROPPED]
         linear = tiny.random_linear([0])
         tiny.write_nbl_gguf(gguf, types, linear)
     else:
@@ -392,7 +393,7 @@ def test_cli_table_and_json(tiny_gguf, tmp_path, capsys):
 # --- sweep report (synthetic numbers: the sweep itself needs minutes of conversions) -----------------
 
 def test_sweep_report_files(tmp_path):
-    from nbl_gguf import sweep
+    from nbl_gguf.measurement import sweep
 
     main = [sweep.Config("baseline", 0, "cca")]
     for m, layers in ((1, [2]), (2, [1, 2])):

@@ -12,11 +12,13 @@ import gguf
 import numpy as np
 import pytest
 
-from nbl_gguf import gguf_nbl, llamacpp, runtime
+from nbl_gguf.gguf import nbl_format
+from nbl_gguf.llamacpp import tools as llamacpp
+from nbl_gguf.llamacpp import library
 from nbl_gguf.errors import NblError
-from nbl_gguf.tiny import TinyLlama
+from nbl_gguf.fixtures.tiny import TinyLlama
 
-A, L, D = gguf_nbl.ATTENTION, gguf_nbl.LINEAR, gguf_nbl.DROPPED
+A, L, D = nbl_format.ATTENTION, nbl_format.LINEAR, nbl_format.DROPPED
 TOLERANCE = 1e-3
 
 # (model shape, layer types): no NBL layer, one, and all but one
@@ -48,8 +50,8 @@ def test_logits_match_numpy_reference(tmp_path, case):
     shape, types = CASES[case]
     model, linear, path = make_gguf(tmp_path, shape, types)
     tokens = tokens_for(model, 24)
-    llm, _ = runtime.load_model(path, n_ctx=64, logits_all=True, f32_kv=True)
-    got = runtime.logits(llm, tokens)
+    llm, _ = library.load_model(path, n_ctx=64, logits_all=True, f32_kv=True)
+    got = library.logits(llm, tokens)
     want = model.forward(tokens, types, linear)
     assert np.abs(got - want).max() < TOLERANCE
     if case != "stock":
@@ -62,7 +64,7 @@ def test_token_by_token_decoding_matches_reference(tmp_path, case):
     shape, types = CASES[case]
     model, linear, path = make_gguf(tmp_path, shape, types)
     tokens = tokens_for(model, 12)
-    llm, _ = runtime.load_model(path, n_ctx=64, logits_all=True, f32_kv=True)
+    llm, _ = library.load_model(path, n_ctx=64, logits_all=True, f32_kv=True)
     llm.reset()
     for token in tokens:  # one token per batch: every step reads the KV cache
         llm.eval([token])
@@ -76,8 +78,8 @@ def test_kv_cache_shrinks_by_the_marked_fraction(tmp_path, case):
     model, _, path = make_gguf(tmp_path, shape, types)
     stock_path = model.write_gguf(tmp_path / "stock.gguf")
     # 4096 cells of f32 K and V make each layer's share a whole number of MiB, so the log is exact
-    _, kv = runtime.load_model(path, n_ctx=4096, f32_kv=True)
-    _, kv_stock = runtime.load_model(stock_path, n_ctx=4096, f32_kv=True)
+    _, kv = library.load_model(path, n_ctx=4096, f32_kv=True)
+    _, kv_stock = library.load_model(stock_path, n_ctx=4096, f32_kv=True)
     n_attention = types.count(A)
     assert kv_stock.layers == model.n_layer
     assert kv.layers == n_attention
@@ -90,7 +92,7 @@ def test_context_shift_and_state_reuse(tmp_path):
     shape, types = CASES["all-but-one"]
     model, linear, path = make_gguf(tmp_path, shape, types)
     tokens = tokens_for(model, 20)
-    llm, _ = runtime.load_model(path, n_ctx=64, logits_all=True, f32_kv=True)
+    llm, _ = library.load_model(path, n_ctx=64, logits_all=True, f32_kv=True)
     import llama_cpp
 
     llm.reset()
@@ -120,10 +122,10 @@ STOCK_LOGITS = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from nbl_gguf import runtime
+    from nbl_gguf.llamacpp import library
     path, tokens, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    llm, _ = runtime.load_model(path, n_ctx=64, logits_all=True, f32_kv=True)
-    np.save(out, runtime.logits(llm, tokens))
+    llm, _ = library.load_model(path, n_ctx=64, logits_all=True, f32_kv=True)
+    np.save(out, library.logits(llm, tokens))
     """
 )
 
@@ -196,7 +198,7 @@ def test_malformed_metadata_gives_a_clear_error(tmp_path, case):
     kwargs, message = malformed_cases(model)[case]
     path = model.write_gguf(tmp_path / f"{case}.gguf", **kwargs)
     with pytest.raises(NblError, match=message):
-        runtime.load_model(path, n_ctx=64)
+        library.load_model(path, n_ctx=64)
 
 
 # --- llama-quantize -------------------------------------------------------------------------------
@@ -219,7 +221,7 @@ def test_quantized_nbl_gguf_loads_and_generates(tmp_path, quant, weight_type):
     assert tensors["blk.1.attn_nbl.bias"].tensor_type.name == "F32"
     assert not any(name.startswith(("blk.1.attn_q", "blk.2.attn_q", "blk.2.attn_nbl")) for name in tensors)
 
-    llm, kv = runtime.load_model(out, n_ctx=128, logits_all=True)
+    llm, kv = library.load_model(out, n_ctx=128, logits_all=True)
     assert kv.layers == 1
     tokens = tokens_for(model, 8)
     # reference: the numpy pass over the file's own weights, dequantized by gguf-py
@@ -231,7 +233,7 @@ def test_quantized_nbl_gguf_loads_and_generates(tmp_path, quant, weight_type):
         if name in dequantized:
             model.weights[name] = dequantized[name].astype(np.float32)
     linear_q = {1: (dequantized["blk.1.attn_nbl.weight"], dequantized["blk.1.attn_nbl.bias"])}
-    got = runtime.logits(llm, tokens)
+    got = library.logits(llm, tokens)
     error = np.abs(got - model.forward(tokens, types, linear_q)).max()
     # llama.cpp also quantizes activations for the dot products: the error stays a small fraction of
     # what the NBL layer contributes

@@ -13,10 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from nbl_gguf import gguf_nbl, llamacpp
-from nbl_gguf.tiny import TinyLlama
+from nbl_gguf.gguf import nbl_format
+from nbl_gguf.llamacpp import tools as llamacpp
+from nbl_gguf.fixtures.tiny import TinyLlama
 
-A, L, D = gguf_nbl.ATTENTION, gguf_nbl.LINEAR, gguf_nbl.DROPPED
+A, L, D = nbl_format.ATTENTION, nbl_format.LINEAR, nbl_format.DROPPED
 N_PREDICT = 6
 
 

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from nbl_gguf import llamacpp
+from nbl_gguf.llamacpp import tools as llamacpp
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCHES = sorted((ROOT / "patches").glob("*.patch"))

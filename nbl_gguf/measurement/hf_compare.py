@@ -21,7 +21,7 @@ def nbl_layers_from_gguf(path) -> tuple[list[int], dict[int, tuple[np.ndarray, n
     """(layer types, {layer: (W [d, d] float32, b [d])}) of an NBL GGUF, dequantized with gguf-py."""
     import gguf
 
-    from nbl_gguf.gguf_nbl import LINEAR, NBL_BIAS, NBL_WEIGHT, read_layer_types
+    from nbl_gguf.gguf.nbl_format import LINEAR, NBL_BIAS, NBL_WEIGHT, read_layer_types
 
     reader = gguf.GGUFReader(path)
     types = read_layer_types(reader)
@@ -100,7 +100,7 @@ def load_hf(models, args, log):
         return loaded.model, device, loaded.dtype
     from transformers import AutoModelForCausalLM
 
-    from nbl_gguf.synthetic import get_shape, hf_config
+    from nbl_gguf.fixtures.synthetic import get_shape, hf_config
 
     dtype = resolve_dtype(args.hf_dtype, device)
     torch.manual_seed(spec.get("seed", 0))
@@ -113,8 +113,8 @@ def load_hf(models, args, log):
 def compare(models, measurements, args, log) -> dict:
     import torch
 
-    from nbl_gguf import apply
-    from nbl_gguf.bench import aggregate, run_llama_bench
+    from nbl_gguf.calibration import apply
+    from nbl_gguf.measurement.bench import aggregate, run_llama_bench
     from nbl_gguf.models import decoder_layers, get_adapter
 
     threads = args.threads or os.cpu_count() or 1

@@ -68,7 +68,7 @@ class CalibrationArtifact:
 
     def select(self, m: int | None = None, criterion: str | None = None, method: str | None = None) -> list[int]:
         """Layers to replace; with no arguments, the selection made at calibration time."""
-        from nbl_gguf.solve import select_layers  # solve needs torch; reading an artifact does not
+        from nbl_gguf.calibration.solve import select_layers  # solve needs torch; reading an artifact does not
 
         chosen = self.report["selection"]
         m = chosen["m"] if m is None else m
@@ -80,7 +80,7 @@ class CalibrationArtifact:
 
     def layer_types(self, m: int | None = None, criterion: str | None = None, method: str | None = None) -> list[int]:
         """Per-layer codes for apply_nbl / the GGUF layer map (0 keep, 1 attn-nbl, 2 attn-drop, 3 block-nbl)."""
-        from nbl_gguf.apply import METHOD_LAYER_TYPE
+        from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
 
         method = method or self.report["selection"]["method"]
         types = [0] * self.num_layers

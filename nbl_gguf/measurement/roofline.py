@@ -96,8 +96,8 @@ class ModelCost:
 
 def model_cost(path: str | os.PathLike) -> ModelCost:
     """Read the roofline numbers of a GGUF (stock or NBL) with gguf-py."""
-    from nbl_gguf.gguf_nbl import read_layer_types
-    from nbl_gguf.inspect import _field, _per_layer, open_model_gguf
+    from nbl_gguf.gguf.nbl_format import read_layer_types
+    from nbl_gguf.gguf.inspect import _field, _per_layer, open_model_gguf
 
     path = Path(path)
     reader, arch = open_model_gguf(path)
@@ -182,7 +182,7 @@ def check_pair(stock: ModelCost, nbl: ModelCost) -> None:
         if a != b:
             raise NblError(f"{nbl.path} is not the same model as the baseline {stock.path}: {name} {b} vs {a}")
     if stock.file_type != nbl.file_type:
-        from nbl_gguf.bench import file_type_name
+        from nbl_gguf.measurement.bench import file_type_name
 
         raise NblError(f"{nbl.path} ({file_type_name(nbl.file_type)}) and the baseline {stock.path} "
                        f"({file_type_name(stock.file_type)}) are quantized differently: compare the same quant")

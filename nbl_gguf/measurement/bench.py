@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.roofline import ModelCost, check_pair, kv_type_bytes, model_cost, predicted_speedup
+from nbl_gguf.measurement.roofline import ModelCost, check_pair, kv_type_bytes, model_cost, predicted_speedup
 
 DEFAULT_DEPTHS = (0, 2048, 8192, 32768)
 QUICK = dict(model="embedded", m=[8, 12], depths=[0, 512], n_prompt=128, n_gen=32, rounds=2, repetitions=1,
@@ -205,7 +205,7 @@ def explicit_models(args) -> ModelSet:
 
 
 def shape_models(args, log) -> ModelSet:
-    from nbl_gguf import synthetic
+    from nbl_gguf.fixtures import synthetic
 
     shape = synthetic.get_shape(args.shape)
     layers = _parse_layers(args.layers)
@@ -223,9 +223,9 @@ def shape_models(args, log) -> ModelSet:
 
 def embedded_models(args, log) -> ModelSet:
     """Stock and NBL-m GGUFs of a HF model by `convert` (one calibration, made once or given)."""
-    from nbl_gguf import convert
-    from nbl_gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf
-    from nbl_gguf.quantize import quantize
+    from nbl_gguf.gguf import convert
+    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf
+    from nbl_gguf.gguf.quantize import quantize
 
     model_dir = convert.resolve_model_dir(args.model)
     check_hf_folder(model_dir)
@@ -309,7 +309,7 @@ def resolve_models(args, log=print) -> ModelSet:
 
 def list_devices() -> list[str]:
     """Device names llama-bench sees (e.g. 'CUDA0'); empty for a CPU-only build."""
-    from nbl_gguf.llamacpp import tool
+    from nbl_gguf.llamacpp.tools import tool
 
     completed = subprocess.run([str(tool("llama-bench")), "--list-devices"], capture_output=True, text=True)
     devices = []
@@ -331,7 +331,7 @@ def resolve_backends(spec: str) -> tuple[list[str], list[str]]:
         if backend not in ("cpu", "cuda"):
             raise NblError(f"--backends: unknown backend '{backend}' (cpu, cuda)")
         if backend == "cuda" and not has_cuda:
-            from nbl_gguf.llamacpp import bin_dir
+            from nbl_gguf.llamacpp.tools import bin_dir
 
             raise NblError(f"--backends cuda: llama-bench in {bin_dir()} lists no CUDA device (devices: "
                            f"{', '.join(devices) or 'none'}); build with GGML_CUDA=ON into NBL_GGUF_BUILD=build-cuda "
@@ -378,7 +378,7 @@ def parse_bench_json(stdout: str) -> list[dict]:
 
 def parse_kv_log(stderr: str) -> list[dict]:
     """The KV cache of every context llama-bench created (``-v`` log), in test order."""
-    from nbl_gguf.runtime import kv_caches
+    from nbl_gguf.llamacpp.library import kv_caches
 
     return [{"kv_mib": kv.mib, "kv_cells": kv.cells, "kv_layers": kv.layers} for kv in kv_caches(stderr)]
 
@@ -386,7 +386,7 @@ def parse_kv_log(stderr: str) -> list[dict]:
 def run_llama_bench(model: Path, *, n_prompt: int, n_gen: int, depth: int, repetitions: int, threads: int,
                     backend: str, cache_type: str = "f16", extra: list[str] = ()) -> tuple[list[dict], list[str]]:
     """One llama-bench call (pp and tg of one model at one depth); records carry the measured KV cache."""
-    from nbl_gguf.llamacpp import run_tool
+    from nbl_gguf.llamacpp.tools import run_tool
 
     args = ["-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-d", str(depth), "-r", str(repetitions),
             "-t", str(threads), "-o", "json", "-v", *backend_args(backend)]
@@ -554,7 +554,7 @@ def speedup_markdown(rows: list[Speedup]) -> str:
 
 
 def kv_markdown(rows: list[dict]) -> str:
-    from nbl_gguf.inspect import human_bytes
+    from nbl_gguf.gguf.inspect import human_bytes
 
     return markdown_table(
         ["backend", "model", "depth", "KV bytes/token", "vs stock", "KV at depth", "llama.cpp KV buffer (cells)",
@@ -731,9 +731,9 @@ def run(args: argparse.Namespace) -> int:
 
     hf = None
     if args.hf_compare:
-        from nbl_gguf import hf_bench
+        from nbl_gguf.measurement import hf_compare
 
-        hf = hf_bench.compare(models, measurements, args, log)
+        hf = hf_compare.compare(models, measurements, args, log)
 
     title = f"NBL vs stock llama.cpp: {models.name} {models.quant}"
     result = {
@@ -742,7 +742,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {k: getattr(args, k) for k in ("n_prompt", "n_gen", "depths", "rounds", "repetitions", "threads",
                                                    "cache_type", "bench_args", "quick")},
         "backends": backends, "devices": devices,
-        "build": str(__import__("nbl_gguf.llamacpp", fromlist=["bin_dir"]).bin_dir()),
+        "build": str(__import__("nbl_gguf.llamacpp.tools", fromlist=["bin_dir"]).bin_dir()),
         "models": [{"label": c.label, "path": str(c.path), "file_type": file_type_name(c.cost.file_type),
                     "bytes": c.path.stat().st_size, "n_layer": c.cost.n_layer,
                     "attention_layers": c.cost.attention_layers,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nbl_gguf.errors import NblError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def build_dir() -> Path:

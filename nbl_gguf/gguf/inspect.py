@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.gguf_nbl import (
+from nbl_gguf.gguf.nbl_format import (
     ATTENTION,
     CALIBRATION_KEY,
     CRITERION_KEY,

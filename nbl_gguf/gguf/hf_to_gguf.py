@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.llamacpp import source_dir
+from nbl_gguf.llamacpp.tools import source_dir
 
 OUTTYPES = ("f32", "f16", "bf16")
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.statistics import Moments
+from nbl_gguf.calibration.statistics import Moments
 
 RCOND = 1e-10  # eigenvalues of C_XX below RCOND * max get a ridge; float64 solves are safe above it
 

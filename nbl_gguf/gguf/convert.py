@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nbl_gguf.calibrate import add_dataset_arguments
+from nbl_gguf.calibration.calibrate import add_dataset_arguments
 from nbl_gguf.errors import NblError
 
 METHODS = ("attn-nbl", "attn-drop")
@@ -116,13 +116,13 @@ def check_quant(quant: str) -> str:
     """The llama-quantize spelling of ``quant`` (f32/f16/bf16 need no tool)."""
     if quant.upper() in FLOAT_OUTPUTS:
         return quant.upper()
-    from nbl_gguf.quantize import normalize_quant
+    from nbl_gguf.gguf.quantize import normalize_quant
 
     return normalize_quant(quant)
 
 
 def llama_cpp_commit() -> str | None:
-    from nbl_gguf.llamacpp import REPO_ROOT
+    from nbl_gguf.llamacpp.tools import REPO_ROOT
 
     cmake = REPO_ROOT / "CMakeLists.txt"
     if cmake.is_file():
@@ -158,7 +158,7 @@ def provenance(artifact, model_dir: Path) -> dict:
 
 def calibrate_into(directory: Path, model_dir: Path, args) -> Path:
     """Run the calibrator (its Python entry point, same options as `calibrate`) into ``directory``."""
-    from nbl_gguf import calibrate
+    from nbl_gguf.calibration import calibrate
 
     parser = argparse.ArgumentParser()
     calibrate.add_arguments(parser)
@@ -192,15 +192,15 @@ def imatrix_context(artifact) -> int:
 def calibration_texts(args, artifact, ctx: int) -> list[str]:
     """The calibration documents for llama-imatrix: enough for --imatrix-chunks windows of ``ctx`` tokens
     (llama-imatrix wants at least two windows), at most the whole source."""
-    from nbl_gguf import data
+    from nbl_gguf.calibration.dataset import DEFAULT_DATASET, iter_texts
 
     dataset = args.dataset
     if args.calibration and dataset is None:
         recorded = artifact.report.get("data", {}).get("dataset")
-        dataset = None if recorded in (None, data.DEFAULT_DATASET) else recorded
+        dataset = None if recorded in (None, DEFAULT_DATASET) else recorded
     wanted_chars = 8 * ctx * (max(2, args.imatrix_chunks) + 1)  # ~4 characters per token, twice over
     texts, chars = [], 0
-    for text in data.iter_texts(dataset, config=args.dataset_config, split=args.split, field=args.text_field):
+    for text in iter_texts(dataset, config=args.dataset_config, split=args.split, field=args.text_field):
         texts.append(text)
         chars += len(text)
         if chars >= wanted_chars:
@@ -227,7 +227,7 @@ class Summary:
     extra: dict = field(default_factory=dict)
 
     def table(self) -> str:
-        from nbl_gguf.inspect import human_bytes
+        from nbl_gguf.gguf.inspect import human_bytes
 
         def change(before, after):
             return f"{(after - before) / before:+.1%}" if before else ""
@@ -261,11 +261,11 @@ def convert(args) -> Summary:
     import gguf
     from tqdm import tqdm
 
-    from nbl_gguf import gguf_nbl
-    from nbl_gguf.artifact import load_artifact
-    from nbl_gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf
-    from nbl_gguf.inspect import kv_bytes_per_token
-    from nbl_gguf.quantize import compute_imatrix, quantize
+    from nbl_gguf.gguf import nbl_format
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf
+    from nbl_gguf.gguf.inspect import kv_bytes_per_token
+    from nbl_gguf.gguf.quantize import compute_imatrix, quantize
 
     # cheap checks first: a typo must not cost a calibration
     method = check_method(args.method)
@@ -307,14 +307,14 @@ def convert(args) -> Summary:
         artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
         if artifact_hidden is not None and int(artifact_hidden) != hidden:
             raise NblError(f"the calibration is for hidden size {artifact_hidden}, {model_dir.name} has {hidden}")
-        from nbl_gguf.calibrate import default_m
+        from nbl_gguf.calibration.calibrate import default_m
 
         m = default_m(n_layer) if args.m is None else args.m
         selected = sorted(artifact.select(m, args.criterion, method))
         scores = [float(s) for s in artifact.scores(args.criterion, "attn")]
-        layer_type = gguf_nbl.LINEAR if method == "attn-nbl" else gguf_nbl.DROPPED
-        types = [layer_type if i in selected else gguf_nbl.ATTENTION for i in range(n_layer)]
-        linear = {i: artifact.linear(i, "attn") for i in selected if layer_type == gguf_nbl.LINEAR}
+        layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
+        types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
+        linear = {i: artifact.linear(i, "attn") for i in selected if layer_type == nbl_format.LINEAR}
         progress.update()
 
         # 2. stock conversion
@@ -325,11 +325,11 @@ def convert(args) -> Summary:
 
         # 3. NBL rewrite
         step(steps[2])
-        layers = gguf_nbl.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion,
+        layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion,
                                     scores=scores, calibration=provenance(artifact, model_dir))
         final_float = quant in FLOAT_OUTPUTS
         nbl_path = output if final_float else tmp / f"nbl-{intermediate}.gguf"
-        gguf_nbl.write_nbl_gguf(stock, nbl_path, layers, weight_type=intermediate.upper())
+        nbl_format.write_nbl_gguf(stock, nbl_path, layers, weight_type=intermediate.upper())
         progress.update()
 
         # 4. quantization of both (the stock one only for the size comparison)

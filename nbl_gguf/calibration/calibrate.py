@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nbl_gguf.artifact import TARGETS
+from nbl_gguf.calibration.artifact import TARGETS
 from nbl_gguf.errors import NblError
 
 METHODS = ("attn-nbl", "attn-drop", "block-nbl")
@@ -104,9 +104,9 @@ def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, 
     import torch
     from tqdm import tqdm
 
-    from nbl_gguf.capture import capture_activations
+    from nbl_gguf.calibration.capture import capture_activations
     from nbl_gguf.models import base_model, decoder_layers, text_config
-    from nbl_gguf.statistics import CosineAccumulator, MomentAccumulator
+    from nbl_gguf.calibration.statistics import CosineAccumulator, MomentAccumulator
 
     d = text_config(model.config).hidden_size
     count = len(decoder_layers(model))
@@ -141,7 +141,7 @@ def solve_all(attn, block, progress: bool = True):
     import torch
     from tqdm import tqdm
 
-    from nbl_gguf.solve import fit
+    from nbl_gguf.calibration.solve import fit
 
     # Multithreaded LAPACK eigh/svd on a small matrix gains little and, on a busy CPU, its spinning
     # threads slowed it 10-200x in our measurements; one thread is fast and predictable there.
@@ -166,9 +166,10 @@ def default_m(num_layers: int) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from nbl_gguf import data, models
-    from nbl_gguf.artifact import METHOD_TARGET, plot_scores, write_artifact
-    from nbl_gguf.solve import ranking, select_layers
+    from nbl_gguf import models
+    from nbl_gguf.calibration import dataset
+    from nbl_gguf.calibration.artifact import METHOD_TARGET, plot_scores, write_artifact
+    from nbl_gguf.calibration.solve import ranking, select_layers
 
     targets = parse_targets(args.targets)
     if METHOD_TARGET[args.method] not in targets:
@@ -185,11 +186,11 @@ def run(args: argparse.Namespace) -> int:
         raise NblError(f"--m {m} is out of range: the model has {num_layers} layers")
 
     with timer("load_data"):
-        calib = data.load_calibration(loaded.tokenizer, args.dataset, args.nsamples, args.seqlen,
+        calib = dataset.load_calibration(loaded.tokenizer, args.dataset, args.nsamples, args.seqlen,
                                       config=args.dataset_config, split=args.split, field=args.text_field,
                                       max_positions=models.max_context(config))
     if calib.nsamples < args.nsamples:
-        print(f"note: {args.dataset or data.DEFAULT_DATASET} gives {calib.nsamples} windows of {calib.seqlen} tokens, "
+        print(f"note: {args.dataset or dataset.DEFAULT_DATASET} gives {calib.nsamples} windows of {calib.seqlen} tokens, "
               f"fewer than the {args.nsamples} requested; calibrating on {calib.tokens} tokens", file=sys.stderr)
     if calib.tokens <= d:
         raise NblError(f"only {calib.tokens} calibration tokens for hidden size {d}; need more than {d} "
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         "model": {"name": loaded.name, "path": loaded.path, "architecture": (config.architectures or ["?"])[0],
                   "model_type": config.model_type, "hidden_size": d, "num_layers": num_layers,
                   "dtype": str(loaded.dtype).replace("torch.", ""), "device": loaded.device},
-        "data": {"dataset": args.dataset or data.DEFAULT_DATASET, "dataset_config": args.dataset_config,
+        "data": {"dataset": args.dataset or dataset.DEFAULT_DATASET, "dataset_config": args.dataset_config,
                  "split": args.split, "nsamples": calib.nsamples, "nsamples_requested": calib.requested_samples,
                  "seqlen": calib.seqlen, "tokens": calib.tokens, "documents": calib.documents,
                  "sha256": calib.sha256, "seed": args.seed},

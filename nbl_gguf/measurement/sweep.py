@@ -2,7 +2,7 @@
 vs Block NBL-m (PyTorch only: the GGUF format has no block-level type), for a list of m.
 
 One calibration artifact serves every configuration. The stock model is converted to an F32 GGUF
-once; each configuration is the NBL rewrite of it (gguf_nbl.write_nbl_gguf, as `convert` does),
+once; each configuration is the NBL rewrite of it (nbl_format.write_nbl_gguf, as `convert` does),
 quantized with llama-quantize. Results are cached in the work dir under a key of everything that
 determines them, so an interrupted sweep resumes where it stopped.
 """
@@ -55,7 +55,7 @@ class Config:
 
     def apply_types(self, n_layer: int) -> list[int]:
         """apply_nbl codes (0 keep, 1 attn-nbl, 2 attn-drop, 3 block-nbl)."""
-        from nbl_gguf.apply import METHOD_LAYER_TYPE
+        from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
 
         code = METHOD_LAYER_TYPE.get(self.method, 0)
         return [code if i in self.layers else 0 for i in range(n_layer)]
@@ -96,8 +96,8 @@ def _log(message: str) -> None:
 # --- inputs --------------------------------------------------------------------------------------
 
 def get_calibration(args, model_dir: Path, work: Path):
-    from nbl_gguf.artifact import load_artifact
-    from nbl_gguf.convert import calibrate_into
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf.convert import calibrate_into
 
     if args.calibration:
         if not Path(args.calibration).is_dir():
@@ -159,7 +159,7 @@ class GgufFactory:
 
     @property
     def stock(self) -> Path:
-        from nbl_gguf.hf_to_gguf import convert_hf_to_gguf
+        from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
 
         if self._stock is None:
             path = self.directory / "stock-f32.gguf"
@@ -170,9 +170,9 @@ class GgufFactory:
         return self._stock
 
     def path(self, config: Config, quant: str) -> Path:
-        from nbl_gguf import gguf_nbl
-        from nbl_gguf.convert import provenance
-        from nbl_gguf.quantize import quantize
+        from nbl_gguf.gguf import nbl_format
+        from nbl_gguf.gguf.convert import provenance
+        from nbl_gguf.gguf.quantize import quantize
 
         target = self.directory / f"{config.key}-{quant.lower()}.gguf"
         if target.is_file():
@@ -184,14 +184,14 @@ class GgufFactory:
             if not source.is_file():
                 _log(f"NBL rewrite {config.key}")
                 n_layer = self.artifact.num_layers
-                code = gguf_nbl.LINEAR if config.method == "attn-nbl" else gguf_nbl.DROPPED
-                types = [code if i in config.layers else gguf_nbl.ATTENTION for i in range(n_layer)]
-                linear = {i: self.artifact.linear(i, "attn") for i in config.layers if code == gguf_nbl.LINEAR}
-                layers = gguf_nbl.NblLayers(types=types, linear=linear, method=config.method,
+                code = nbl_format.LINEAR if config.method == "attn-nbl" else nbl_format.DROPPED
+                types = [code if i in config.layers else nbl_format.ATTENTION for i in range(n_layer)]
+                linear = {i: self.artifact.linear(i, "attn") for i in config.layers if code == nbl_format.LINEAR}
+                layers = nbl_format.NblLayers(types=types, linear=linear, method=config.method,
                                             criterion=config.criterion,
                                             scores=[float(s) for s in self.artifact.scores(config.criterion, "attn")],
                                             calibration=provenance(self.artifact, self.model_dir))
-                gguf_nbl.write_nbl_gguf(self.stock, source, layers, weight_type="F32")
+                nbl_format.write_nbl_gguf(self.stock, source, layers, weight_type="F32")
         if quant.upper() == "F32":
             return source
         _log(f"llama-quantize {config.key} -> {quant}")
@@ -204,7 +204,7 @@ class GgufFactory:
 
 def bench_pair(baseline: Path, model: Path, bench_args: str, threads: int | None) -> dict:
     """llama-bench of the baseline and the model in one process: {"baseline": ..., "model": ...}."""
-    from nbl_gguf.llamacpp import run_tool
+    from nbl_gguf.llamacpp.tools import run_tool
 
     args = ["-m", str(baseline), "-m", str(model), *shlex.split(bench_args), "-o", "json"]
     if threads:
@@ -227,10 +227,10 @@ def bench_pair(baseline: Path, model: Path, bench_args: str, threads: int | None
 def run_sweep(args) -> int:
     import gguf as gguf_py
 
-    from nbl_gguf import eval as ev
-    from nbl_gguf.convert import check_quant, model_shape, resolve_model_dir
-    from nbl_gguf.hf_to_gguf import check_hf_folder
-    from nbl_gguf.inspect import kv_bytes_per_token
+    from nbl_gguf.measurement import eval as ev
+    from nbl_gguf.gguf.convert import check_quant, model_shape, resolve_model_dir
+    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder
+    from nbl_gguf.gguf.inspect import kv_bytes_per_token
 
     started = time.time()
     quants = [check_quant(q) for q in args.quant]
@@ -342,7 +342,7 @@ def run_sweep(args) -> int:
                         torch.set_num_threads(args.threads)
                     loaded = load_model(str(model_dir), "fp32", "cpu")
                     tokens, bos = ev.llama_tokens(factory.stock, ev.prompt_text(text_file))
-                from nbl_gguf.apply import apply_nbl
+                from nbl_gguf.calibration.apply import apply_nbl
 
                 _log(f"[{index}/{len(configs)}] pytorch perplexity {config.label}")
                 t0 = time.time()

@@ -400,7 +400,7 @@ def check_multiple_choice(path: Path) -> tuple[int, int]:
 
 def run_perplexity_tool(model: str | os.PathLike, args: Sequence[str], parse, *, threads: int | None = None, cwd=None):
     """Run llama-perplexity on ``model`` and parse its output (IncompleteOutput if results are missing)."""
-    from nbl_gguf.llamacpp import tool
+    from nbl_gguf.llamacpp.tools import tool
 
     binary = tool("llama-perplexity")
     model = Path(model)
@@ -463,7 +463,7 @@ TASK_RUNNERS = {"hellaswag": hellaswag, "winogrande": winogrande, "multiple-choi
 
 def heldout_text() -> str:
     """The held-out documents of the bundled C4 sample, blank-line separated (the default text)."""
-    from nbl_gguf.data import heldout_texts
+    from nbl_gguf.calibration.dataset import heldout_texts
 
     return "\n\n".join(text.strip() for text in heldout_texts() if text.strip()) + "\n"
 
@@ -673,7 +673,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         if args.models:
             raise NblError("--sweep builds its own GGUFs: pass no GGUF files with it")
-        from nbl_gguf import sweep
+        from nbl_gguf.measurement import sweep
 
         return sweep.run_sweep(args)
     if not args.models:
