@@ -39,7 +39,7 @@ def main() -> int:
 
     from nbl_gguf import models
     from nbl_gguf.calibration import dataset
-    from nbl_gguf.measurement import eval as ev
+    from nbl_gguf.measurement import torch_ppl
     from nbl_gguf.calibration.apply import apply_nbl
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.calibration.capture import capture_activations
@@ -88,9 +88,9 @@ def main() -> int:
         "nbl/nbl_resid": ("attn-nbl", select_layers(table["nbl_resid"], args.m)),
         "drop/drop_resid": ("attn-drop", select_layers(table["drop_resid"], args.m)),
     }
-    text = ev.heldout_text().removesuffix("\n")
+    text = torch_ppl.heldout_text().removesuffix("\n")
     if args.gguf:
-        tokens, bos = ev.llama_tokens(args.gguf, text)
+        tokens, bos = torch_ppl.llama_tokens(args.gguf, text)
     else:
         tokens, bos = loaded.tokenizer(text)["input_ids"], None
     results = {}
@@ -99,7 +99,7 @@ def main() -> int:
 
         types = [METHOD_LAYER_TYPE[method] if i in layers else 0 for i in range(n)]
         candidate = apply_nbl(copy.deepcopy(model), types, artifact)
-        ppl = ev.torch_perplexity(candidate, tokens, args.ctx_size, chunks=args.chunks, bos=bos)
+        ppl = torch_ppl.torch_perplexity(candidate, tokens, args.ctx_size, chunks=args.chunks, bos=bos)
         results[name] = {"layers": layers, "ppl": ppl.ppl, "error": ppl.error, "tokens": ppl.tokens}
         print(f"{name:16s} layers {layers}: PPL {ppl.ppl:.3f} ± {ppl.error:.3f} ({ppl.tokens} tokens)", flush=True)
     if args.json:

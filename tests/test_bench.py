@@ -8,8 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from nbl_gguf.measurement import bench
-from nbl_gguf.measurement import roofline
+from nbl_gguf.measurement import bench, bench_report, llama_bench, roofline, speedup
 from nbl_gguf.cli import main
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf.nbl_format import ATTENTION as A, DROPPED as D, LINEAR as L
@@ -94,7 +93,7 @@ def test_roofline_dropped_layers_and_tied_output(tiny, tmp_path):
 
 @pytest.mark.llama
 def test_llama_bench_short_run_is_parsed(tiny):
-    records, command = bench.run_llama_bench(tiny["nbl"], n_prompt=16, n_gen=4, depth=8, repetitions=1, threads=1,
+    records, command = llama_bench.run_llama_bench(tiny["nbl"], n_prompt=16, n_gen=4, depth=8, repetitions=1, threads=1,
                                              backend="cpu")
     assert command[0] == "llama-bench" and "-dev" in command
     assert [r["test"] for r in records] == ["pp", "tg"]
@@ -111,9 +110,9 @@ def test_llama_bench_short_run_is_parsed(tiny):
 
 def test_parse_bench_json_rejects_garbage():
     with pytest.raises(NblError, match="no JSON"):
-        bench.parse_bench_json("error: something")
+        llama_bench.parse_bench_json("error: something")
     with pytest.raises(NblError, match="parse"):
-        bench.parse_bench_json("[{")
+        llama_bench.parse_bench_json("[{")
 
 
 # --- the ratio table ---------------------------------------------------------------------------
@@ -130,7 +129,7 @@ def test_speedup_table_ratios_and_efficiency(tiny):
         _record("nbl", "pp", 0, 1, [150.0, 150.0]), _record("stock", "pp", 0, 1, [100.0, 100.0]),
         _record("stock", "tg", 64, 0, [10.0]), _record("nbl", "tg", 64, 0, [11.0]),
     ]
-    rows = bench.speedup_table(measurements, costs)
+    rows = speedup.speedup_table(measurements, costs)
     assert [(r.test, r.depth) for r in rows] == [("pp", 0), ("tg", 64)]
     pp, tg = rows
     assert pp.measured == pytest.approx(135.0 / 100.0)
@@ -139,15 +138,15 @@ def test_speedup_table_ratios_and_efficiency(tiny):
     assert pp.efficiency == pytest.approx(pp.measured / pp.predicted)
     assert tg.measured == pytest.approx(1.1) and tg.n_tokens == 4
     assert tg.meets_target == (tg.efficiency >= 0.9)
-    text = bench.format_table(rows)
+    text = bench_report.format_table(rows)
     assert "pp16" in text and "tg4" in text and f"{pp.measured:.3f}" in text
     with pytest.raises(NblError, match="no stock measurement"):
-        bench.speedup_table([_record("nbl", "pp", 0, 0, [1.0])], costs)
+        speedup.speedup_table([_record("nbl", "pp", 0, 0, [1.0])], costs)
 
 
 def test_schedule_interleaves_and_alternates():
     models = [bench.Candidate("stock", None), bench.Candidate("a", None), bench.Candidate("b", None)]
-    plan = [(r, d, c.label) for r, d, c in bench.schedule(models, [0, 512], rounds=2)]
+    plan = [(r, d, c.label) for r, d, c in llama_bench.schedule(models, [0, 512], rounds=2)]
     assert plan[:3] == [(0, 0, "stock"), (0, 0, "a"), (0, 0, "b")]
     assert plan[6:9] == [(1, 0, "b"), (1, 0, "a"), (1, 0, "stock")]
     assert len(plan) == 12
@@ -272,4 +271,4 @@ def test_kv_log_of_plain_and_sliding_window_contexts():
     ])
     caches = kv_caches(log)
     assert [(c.cells, c.layers, c.mib) for c in caches] == [(4096, 4, 4.0), (4096, 4, 1.5), (2048, 4, 2.0)]
-    assert [row["kv_layers"] for row in bench.parse_kv_log(log)] == [4, 4, 4]
+    assert [row["kv_layers"] for row in llama_bench.parse_kv_log(log)] == [4, 4, 4]

@@ -13,7 +13,9 @@ import pytest
 
 from nbl_gguf import cli
 from nbl_gguf.gguf import nbl_format
-from nbl_gguf.measurement import eval as ev
+from nbl_gguf.measurement import perplexity as llama_ppl
+from nbl_gguf.measurement import tasks as task_formats
+from nbl_gguf.measurement import torch_ppl
 from nbl_gguf.errors import NblError
 from nbl_gguf.llamacpp.tools import bin_dir
 from nbl_gguf.fixtures.tiny import TinyLlama
@@ -118,7 +120,7 @@ def sentence(rng, n):
 
 @needs_perplexity
 def test_test_tokenizer_matches_llama_cpp(tiny_gguf):
-    tokens, bos = ev.llama_tokens(tiny_gguf, "the cat sat, on a mat")
+    tokens, bos = torch_ppl.llama_tokens(tiny_gguf, "the cat sat, on a mat")
     assert tokens == tokenize("the cat sat, on a mat") and bos == BOS
 
 
@@ -140,7 +142,7 @@ def test_perplexity_matches_numpy_chunking(tiny, tmp_path, nbl):
     else:
         tiny.write_gguf(gguf)
     n_ctx = 64
-    result = ev.perplexity(gguf, path, n_ctx=n_ctx, threads=THREADS)
+    result = llama_ppl.perplexity(gguf, path, n_ctx=n_ctx, threads=THREADS)
     tokens = tokenize(text)
     ref = Reference(tiny, types, linear)
     ppl, err, count = ref.perplexity(tokens, n_ctx)
@@ -148,7 +150,7 @@ def test_perplexity_matches_numpy_chunking(tiny, tmp_path, nbl):
     assert result.ppl == pytest.approx(ppl, rel=2e-4)
     assert result.error == pytest.approx(err, rel=2e-3)
     # eval's own chunking (used for PyTorch) gives the same numbers from the same log-probs
-    mine = ev.chunked_nll(ref.logprobs, tokens, n_ctx, bos=BOS)
+    mine = torch_ppl.chunked_nll(ref.logprobs, tokens, n_ctx, bos=BOS)
     assert mine.ppl == pytest.approx(ppl, rel=1e-12) and mine.error == pytest.approx(err, rel=1e-9)
     assert mine.tokens == count
 
@@ -158,7 +160,7 @@ def test_perplexity_text_too_short(tiny_gguf, tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("the cat sat")
     with pytest.raises(NblError, match="need at least 128 tokens"):
-        ev.perplexity(tiny_gguf, path, n_ctx=64)
+        llama_ppl.perplexity(tiny_gguf, path, n_ctx=64)
 
 
 # --- HellaSwag --------------------------------------------------------------------------------
@@ -180,10 +182,10 @@ def test_hellaswag_matches_numpy(tiny, tiny_gguf, tmp_path):
     assert min(margins) > 1e-4  # the float32 tool and float64 numpy cannot disagree on these
     path = tmp_path / "hellaswag.txt"
     path.write_text("\n".join(lines) + "\n")
-    acc = ev.hellaswag(tiny_gguf, path, n_ctx=128, threads=THREADS)
+    acc = llama_ppl.hellaswag(tiny_gguf, path, n_ctx=128, threads=THREADS)
     assert acc.tasks == 10
     assert acc.accuracy == pytest.approx(100 * expected / 10)
-    assert acc.ci95 == pytest.approx(ev._wilson(expected, 10), abs=1e-3)
+    assert acc.ci95 == pytest.approx(llama_ppl._wilson(expected, 10), abs=1e-3)
 
 
 # --- Winogrande -------------------------------------------------------------------------------
@@ -204,7 +206,7 @@ def test_winogrande_matches_numpy(tiny, tiny_gguf, tmp_path):
         lines.append(f"{index},{quoted},{choices[0]},{choices[1]},{row['answer']}")
     path = tmp_path / "winogrande.csv"
     path.write_text("\n".join(lines) + "\n")
-    acc = ev.winogrande(tiny_gguf, path, n_ctx=128, threads=THREADS)
+    acc = llama_ppl.winogrande(tiny_gguf, path, n_ctx=128, threads=THREADS)
     assert acc.tasks == 8  # the last row is scored too (eval feeds llama-perplexity a terminated copy)
     correct = 0
     for row, (s1, s2, result, answer) in zip(rows, acc.per_task):
@@ -213,7 +215,7 @@ def test_winogrande_matches_numpy(tiny, tiny_gguf, tmp_path):
         assert result == (1 if r1 > r2 else 2) and answer == row["answer"]
         correct += result == answer
     assert acc.accuracy == pytest.approx(100 * correct / 8)
-    assert acc.stderr == pytest.approx(ev._stderr(correct / 8, 8))
+    assert acc.stderr == pytest.approx(llama_ppl._stderr(correct / 8, 8))
 
 
 def test_winogrande_reader_matches_perplexity_cpp():
@@ -223,7 +225,7 @@ def test_winogrande_reader_matches_perplexity_cpp():
             "3,too,few,commas\n"
             "4,The _ ran.,cat,dog,1\n"
             "5,unterminated _ last line,a,b,1")
-    rows, skipped = ev.winogrande_rows(text)
+    rows, skipped = task_formats.winogrande_rows(text)
     assert [(r["first"], r["second"], r["choices"], r["answer"]) for r in rows] == [
         ("Sarah, not Maria, said ", " won.", ("Sarah", "Maria"), 2), ("The ", " ran.", ("cat", "dog"), 1)]
     assert len(skipped) == 3  # no _, answer 3, too few commas; the unterminated last line is not read
@@ -235,12 +237,12 @@ def test_multiple_choice_serializer_round_trip_and_layout():
     tasks = [{"question": "Q one?", "answers": ["yes", "no"], "labels": [1, 0]},
              {"question": "Q twö", "answers": ["a", "b", "c"], "labels": [0, 0, 1],
               "mc2_answers": ["a"], "mc2_labels": [1]}]
-    data = ev.serialize_multiple_choice(tasks)
+    data = task_formats.serialize_multiple_choice(tasks)
     n_task, p0, p1 = struct.unpack_from("<3I", data)
     assert n_task == 2 and p0 == 12
     assert struct.unpack_from("<I", data, p0)[0] == len(b"Q one?") and data[p0 + 4:p0 + 10] == b"Q one?"
     assert struct.unpack_from("<I", data, p1)[0] == len("Q twö".encode())
-    back = ev.read_multiple_choice(data)
+    back = task_formats.read_multiple_choice(data)
     assert back[0]["answers"] == ["yes", "no"] and back[0]["labels"] == [1, 0] and back[0]["mc2_answers"] == []
     assert back[1]["question"] == "Q twö" and back[1]["mc2_labels"] == [1]
 
@@ -262,12 +264,12 @@ def test_multiple_choice_matches_numpy(tiny, tiny_gguf, tmp_path):
         correct += gold == best
         running.append(100 * correct / (index + 1))
     assert min(margins) > 1e-4
-    path = ev.write_multiple_choice(tmp_path / "mc.bin", tasks)
-    acc = ev.multiple_choice(tiny_gguf, path, n_ctx=128, threads=THREADS)
+    path = task_formats.write_multiple_choice(tmp_path / "mc.bin", tasks)
+    acc = llama_ppl.multiple_choice(tiny_gguf, path, n_ctx=128, threads=THREADS)
     assert acc.tasks == 9
     assert acc.per_task == pytest.approx(running, abs=1e-6)  # task by task, in file order
     assert acc.accuracy == pytest.approx(100 * correct / 9, abs=1e-3)
-    assert acc.stderr == pytest.approx(ev._stderr(correct / 9, 9), abs=1e-3)
+    assert acc.stderr == pytest.approx(llama_ppl._stderr(correct / 9, 9), abs=1e-3)
 
 
 # --- parsers on canned output --------------------------------------------------------------------
@@ -283,15 +285,15 @@ PPL_OUTPUT = """0.01.675.631 I perplexity: calculating perplexity over 3 chunks,
 
 
 def test_parse_perplexity():
-    result = ev.parse_perplexity(PPL_OUTPUT)
+    result = llama_ppl.parse_perplexity(PPL_OUTPUT)
     assert (result.ppl, result.error, result.chunks, result.n_ctx, result.tokens) == (444.3008, 29.90065, 3, 128, 189)
     # the final line lost: the running line of the last chunk has the same numbers
-    lost = ev.parse_perplexity(PPL_OUTPUT.split("\n\n")[0])
+    lost = llama_ppl.parse_perplexity(PPL_OUTPUT.split("\n\n")[0])
     assert lost.ppl == 444.3008 and lost.error == pytest.approx(444.3008 * 0.067298)
-    with pytest.raises(ev.IncompleteOutput):
-        ev.parse_perplexity(PPL_OUTPUT.split("     256")[0])
+    with pytest.raises(llama_ppl.IncompleteOutput):
+        llama_ppl.parse_perplexity(PPL_OUTPUT.split("     256")[0])
     with pytest.raises(NblError, match="you need at least 1024 tokens"):
-        ev.parse_perplexity("0.01.6 E perplexity: you need at least 1024 tokens to evaluate perplexity with a "
+        llama_ppl.parse_perplexity("0.01.6 E perplexity: you need at least 1024 tokens to evaluate perplexity with a "
                             "context of 512\n")
 
 
@@ -299,63 +301,65 @@ def test_parse_hellaswag():
     out = ("hellaswag_score : selecting 3 randomized tasks.\n\ntask\tacc_norm\t95% confidence interval\n"
            "1\t100.00000000%\t[20.6549%, 100.0000%]\n2\t50.00000000%\t[9.4531%, 90.5469%]\n"
            "3\t66.66666667%\t[20.7660%, 93.8508%]\n\n")
-    acc = ev.parse_hellaswag(out)
+    acc = llama_ppl.parse_hellaswag(out)
     assert (acc.accuracy, acc.tasks, acc.ci95) == (66.66666667, 3, (20.7660, 93.8508))
-    assert acc.ci95 == pytest.approx(ev._wilson(2, 3), abs=1e-4)
-    with pytest.raises(ev.IncompleteOutput, match="2 of 3"):
-        ev.parse_hellaswag(out.split("3\t66")[0])
+    assert acc.ci95 == pytest.approx(llama_ppl._wilson(2, 3), abs=1e-4)
+    with pytest.raises(llama_ppl.IncompleteOutput, match="2 of 3"):
+        llama_ppl.parse_hellaswag(out.split("3\t66")[0])
     with pytest.raises(NblError, match="multiple of 6"):
-        ev.parse_hellaswag("0.00.1 E hellaswag_score : number of lines in prompt not a multiple of 6.\n")
+        llama_ppl.parse_hellaswag("0.00.1 E hellaswag_score : number of lines in prompt not a multiple of 6.\n")
 
 
 def test_parse_winogrande():
     lines = "".join(f"{i + 1}\t{100.0 * (i // 2 + 1) / (i + 1):.4f}\t  -5.855519   -5.815276  {1 + i % 2}  2\n"
                     for i in range(4))
-    acc = ev.parse_winogrande("winogrande_score : loaded 4 tasks from prompt.\n" + lines)
-    assert acc.tasks == 4 and acc.accuracy == 50.0 and acc.stderr == pytest.approx(ev._stderr(0.5, 4))
+    acc = llama_ppl.parse_winogrande("winogrande_score : loaded 4 tasks from prompt.\n" + lines)
+    assert acc.tasks == 4 and acc.accuracy == 50.0 and acc.stderr == pytest.approx(llama_ppl._stderr(0.5, 4))
     assert acc.per_task[1] == (-5.855519, -5.815276, 2, 2)
-    final = ev.parse_winogrande("winogrande_score : loaded 4 tasks\n" + lines +
+    final = llama_ppl.parse_winogrande("winogrande_score : loaded 4 tasks\n" + lines +
                                 "\nFinal Winogrande score(4 tasks): 50.0000 +/- 28.8675\n")
     assert (final.accuracy, final.stderr) == (50.0, 28.8675)
-    with pytest.raises(ev.IncompleteOutput):
-        ev.parse_winogrande("winogrande_score : loaded 5 tasks from prompt.\n" + lines)
+    with pytest.raises(llama_ppl.IncompleteOutput):
+        llama_ppl.parse_winogrande("winogrande_score : loaded 5 tasks from prompt.\n" + lines)
 
 
 def test_parse_multiple_choice():
     out = ("multiple_choice_score : calculating TruthfulQA score over 2 tasks.\n\ntask\tacc_norm\n"
            "1\t100.00000000\n2\t50.00000000\n\nFinal result: 50.0000 +/- 50.0000\nRandom chance: 40.0 +/- 1\n")
-    acc = ev.parse_multiple_choice(out)
+    acc = llama_ppl.parse_multiple_choice(out)
     assert (acc.accuracy, acc.stderr, acc.tasks, acc.per_task) == (50.0, 50.0, 2, [100.0, 50.0])
-    assert ev.parse_multiple_choice(out.split("\n\nFinal")[0]).stderr == pytest.approx(50.0)
+    assert llama_ppl.parse_multiple_choice(out.split("\n\nFinal")[0]).stderr == pytest.approx(50.0)
     with pytest.raises(NblError, match="failed to read task 2"):
-        ev.parse_multiple_choice("E multiple_choice_score: failed to read task 2 of 3\n")
+        llama_ppl.parse_multiple_choice("E multiple_choice_score: failed to read task 2 of 3\n")
 
 
 # --- bad input -------------------------------------------------------------------------------------
 
 def test_bad_task_files(tmp_path):
     with pytest.raises(NblError, match="does not exist"):
-        ev.check_hellaswag(tmp_path / "missing.txt")
+        task_formats.check_hellaswag(tmp_path / "missing.txt")
     bad = tmp_path / "hs.txt"
     bad.write_text("ctx\n1\na\nb\nc\n")
     with pytest.raises(NblError, match="not a multiple of 6"):
-        ev.check_hellaswag(bad)
+        task_formats.check_hellaswag(bad)
     bad.write_text("ctx\nfour\na\nb\nc\nd\n")
     with pytest.raises(NblError, match="gold ending index"):
-        ev.check_hellaswag(bad)
+        task_formats.check_hellaswag(bad)
     wino = tmp_path / "w.csv"
     wino.write_text("index,sentence,option1,option2,answer\n1,no blank,a,b,1\n")
     with pytest.raises(NblError, match="no valid Winogrande rows"):
-        ev.prepare_winogrande(wino, tmp_path)
+        task_formats.prepare_winogrande(wino, tmp_path)
     mc = tmp_path / "mc.bin"
-    mc.write_bytes(ev.serialize_multiple_choice([{"question": "q", "answers": ["a", "b"], "labels": [1, 0]}])[:-6])
+    mc.write_bytes(task_formats.serialize_multiple_choice(
+        [{"question": "q", "answers": ["a", "b"], "labels": [1, 0]}])[:-6])
     with pytest.raises(NblError, match="truncated|runs past"):
-        ev.check_multiple_choice(mc)
+        task_formats.check_multiple_choice(mc)
     mc.write_text("this is not a binary task file at all\n")
     with pytest.raises(NblError, match="multiple-choice format"):
-        ev.check_multiple_choice(mc)
+        task_formats.check_multiple_choice(mc)
     with pytest.raises(NblError, match="empty question"):
-        ev.read_multiple_choice(ev.serialize_multiple_choice([{"question": "", "answers": ["a"], "labels": [1]}]))
+        task_formats.read_multiple_choice(
+            task_formats.serialize_multiple_choice([{"question": "", "answers": ["a"], "labels": [1]}]))
 
 
 @needs_perplexity
@@ -377,7 +381,7 @@ def test_cli_errors(tiny_gguf, tmp_path, capsys):
 def test_cli_table_and_json(tiny_gguf, tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text(sentence(np.random.default_rng(5), 60))
-    mc = ev.write_multiple_choice(tmp_path / "mc.bin", [{"question": "the cat", "answers": ["sat", "ran"],
+    mc = task_formats.write_multiple_choice(tmp_path / "mc.bin", [{"question": "the cat", "answers": ["sat", "ran"],
                                                           "labels": [1, 0]}])
     out = tmp_path / "r.json"
     assert cli.main(["eval", str(tiny_gguf), "--text", str(text), "-c", "64", "--multiple-choice", str(mc),
@@ -393,7 +397,7 @@ def test_cli_table_and_json(tiny_gguf, tmp_path, capsys):
 # --- sweep report (synthetic numbers: the sweep itself needs minutes of conversions) -----------------
 
 def test_sweep_report_files(tmp_path):
-    from nbl_gguf.measurement import sweep
+    from nbl_gguf.measurement import sweep, sweep_report
 
     main = [sweep.Config("baseline", 0, "cca")]
     for m, layers in ((1, [2]), (2, [1, 2])):
@@ -420,7 +424,7 @@ def test_sweep_report_files(tmp_path):
         return 4 * 128, 128 * (4 - len(config.layers))
 
     task_files = {"winogrande": (tmp_path / "w.csv", None)}
-    rows = sweep.collect_rows(main, criteria, quants, results, torch_results, kv, task_files)
+    rows = sweep_report.collect_rows(main, criteria, quants, results, torch_results, kv, task_files)
     drop2 = next(r for r in rows if r["config"] == "Attn DROP-2" and r["quant"] == "q8_0")
     assert drop2["kv_saving"] == 0.5 and drop2["speedup_tg"] == pytest.approx(1.1)
     assert not any(r["method"] == "block-nbl" and r["backend"] == "llama.cpp" for r in rows)
@@ -430,10 +434,10 @@ def test_sweep_report_files(tmp_path):
              "bench_args": "-p 8", "machine": "test", "elapsed_min": 0.1,
              "eval_min": 1.0, "torch_min": 2.0}
     md = tmp_path / "quality.md"
-    md.write_text(f"old\n{sweep.NOTES_BEGIN}\nkeep me\n{sweep.NOTES_END}\n")
-    sweep.write_markdown(md, rows, setup, main, criteria, quants, task_files)
-    sweep.write_csv(tmp_path / "quality.csv", rows)
-    sweep.plot(tmp_path / "quality.png", rows, quants, task_files, setup)
+    md.write_text(f"old\n{sweep_report.NOTES_BEGIN}\nkeep me\n{sweep_report.NOTES_END}\n")
+    sweep_report.write_markdown(md, rows, setup, main, criteria, quants, task_files)
+    sweep_report.write_csv(tmp_path / "quality.csv", rows)
+    sweep_report.plot(tmp_path / "quality.png", rows, quants, task_files, setup)
     text = md.read_text()
     assert "| Attn DROP-2 | 1 2 | 50.0% |" in text and "n/a (PyTorch only)" in text and "keep me" in text
     assert "| nmse | 0 2 |" in text and "python -m nbl_gguf eval --sweep" in text

@@ -114,7 +114,8 @@ def compare(models, measurements, args, log) -> dict:
     import torch
 
     from nbl_gguf.calibration import apply
-    from nbl_gguf.measurement.bench import aggregate, run_llama_bench
+    from nbl_gguf.measurement.llama_bench import run_llama_bench
+    from nbl_gguf.measurement.speedup import aggregate
     from nbl_gguf.models import decoder_layers, get_adapter
 
     threads = args.threads or os.cpu_count() or 1

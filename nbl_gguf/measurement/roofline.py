@@ -182,7 +182,16 @@ def check_pair(stock: ModelCost, nbl: ModelCost) -> None:
         if a != b:
             raise NblError(f"{nbl.path} is not the same model as the baseline {stock.path}: {name} {b} vs {a}")
     if stock.file_type != nbl.file_type:
-        from nbl_gguf.measurement.bench import file_type_name
-
         raise NblError(f"{nbl.path} ({file_type_name(nbl.file_type)}) and the baseline {stock.path} "
                        f"({file_type_name(stock.file_type)}) are quantized differently: compare the same quant")
+
+
+def file_type_name(file_type: int | None) -> str:
+    import gguf
+
+    if file_type is None:
+        return "?"
+    try:
+        return gguf.LlamaFileType(int(file_type)).name.replace("MOSTLY_", "").replace("ALL_", "")
+    except ValueError:
+        return str(file_type)

@@ -1,0 +1,259 @@
+"""Running the patched ``llama-perplexity`` and parsing its output: perplexity, HellaSwag,
+Winogrande and multiple-choice accuracy of one GGUF (evaluate gives all of them as plain data)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from nbl_gguf.errors import NblError
+from nbl_gguf.measurement.tasks import check_hellaswag, check_multiple_choice, prepare_winogrande
+
+
+DEFAULT_CTX = 512
+
+
+# --- results -------------------------------------------------------------------------------------
+
+@dataclass
+class Perplexity:
+    ppl: float
+    error: float  # llama-perplexity's "+/-": ppl * standard error of the mean token NLL
+    chunks: int
+    n_ctx: int
+
+    @property
+    def tokens(self) -> int:
+        """Scored tokens: n_ctx - n_ctx/2 - 1 per chunk."""
+        return self.chunks * (self.n_ctx - self.n_ctx // 2 - 1)
+
+
+@dataclass
+class Accuracy:
+    task: str  # hellaswag | winogrande | multiple-choice
+    accuracy: float  # percent
+    tasks: int
+    stderr: float | None = None  # percent, as printed (winogrande, multiple-choice)
+    ci95: tuple[float, float] | None = None  # percent, Wilson interval as printed (hellaswag)
+    per_task: list = field(default_factory=list, repr=False)
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """95% interval in percent: the printed Wilson interval, else accuracy +/- 1.96 stderr."""
+        if self.ci95 is not None:
+            return self.ci95
+        half = 1.96 * (self.stderr or 0.0) if self.stderr == self.stderr else 0.0  # nan for one task
+        return max(0.0, self.accuracy - half), min(100.0, self.accuracy + half)
+
+    def format(self) -> str:
+        if self.ci95 is not None:
+            return f"{self.accuracy:.2f} [{self.ci95[0]:.2f}, {self.ci95[1]:.2f}]"
+        return f"{self.accuracy:.2f} ± {self.stderr:.2f}" if self.stderr is not None else f"{self.accuracy:.2f}"
+
+
+# --- parsing llama-perplexity's output ----------------------------------------------------------
+
+_FLOAT = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|-?inf)"
+_PPL_FINAL = re.compile(r"Final estimate: PPL = " + _FLOAT + r" \+/- " + _FLOAT)
+_PPL_SETUP = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
+# --ppl-output-type 1: "%8d  %.4lf  %4lf  %4lf" = position, running PPL, mean NLL, its standard error
+_PPL_CHUNK = re.compile(r"^\s*(\d+)\s+" + _FLOAT + r"\s+" + _FLOAT + r"\s+" + _FLOAT + r"\s*$", re.M)
+_HS_LINE = re.compile(r"^(\d+)\t" + _FLOAT + r"%\t\[" + _FLOAT + r"%, " + _FLOAT + r"%\]\s*$", re.M)
+_HS_COUNT = re.compile(r"hellaswag_score : selecting (\d+)")
+_WG_LINE = re.compile(r"^(\d+)\t" + _FLOAT + r"\t\s*" + _FLOAT + r"\s+" + _FLOAT + r"\s+([12])\s+([12])\s*$", re.M)
+_WG_FINAL = re.compile(r"Final Winogrande score\((\d+) tasks\): " + _FLOAT + r" \+/- " + _FLOAT)
+_WG_COUNT = re.compile(r"winogrande_score : (?:loaded|selecting) (\d+)")
+_MC_LINE = re.compile(r"^(\d+)\t" + _FLOAT + r"\s*$", re.M)
+_MC_FINAL = re.compile(r"Final result: " + _FLOAT + r" \+/- " + _FLOAT)
+_MC_COUNT = re.compile(r"calculating TruthfulQA score over (\d+) tasks")
+# LOG_ERR lines, with or without the "M.s.ms.us E " prefix
+_ERROR_LINE = re.compile(r"^(?:[\d.]+ )?E (.+)$", re.M)
+
+
+class IncompleteOutput(NblError):
+    """llama-perplexity ended without printing all of its results."""
+
+
+def tool_errors(output: str) -> list[str]:
+    return [m.group(1).strip() for m in _ERROR_LINE.finditer(output)]
+
+
+def parse_perplexity(output: str) -> Perplexity:
+    setup = _PPL_SETUP.search(output)
+    if setup is None:
+        errors = tool_errors(output)
+        raise NblError("llama-perplexity computed no perplexity" + (": " + " | ".join(errors) if errors else ""))
+    chunks, n_ctx = int(setup.group(1)), int(setup.group(2))
+    final = _PPL_FINAL.search(output)
+    if final:
+        return Perplexity(float(final.group(1)), float(final.group(2)), chunks, n_ctx)
+    # the running line after the last chunk carries the same numbers (with --ppl-output-type 1)
+    lines = _PPL_CHUNK.findall(output)
+    if len(lines) >= chunks:
+        _, ppl, _, stderr = lines[chunks - 1]
+        return Perplexity(float(ppl), float(ppl) * float(stderr), chunks, n_ctx)
+    raise IncompleteOutput(f"llama-perplexity stopped after {len(lines)} of {chunks} chunks without a final estimate")
+
+
+def _wilson(correct: int, n: int) -> tuple[float, float]:
+    """perplexity.cpp's Wilson score interval (z = 1.95996398454), in percent."""
+    za = 1.95996398454
+    freq = correct / n
+    z = za * za / n
+    cnf = z * math.sqrt(n * (4.0 * freq * (1 - freq) + z)) / (za + za)
+    return 100 * (freq + z * 0.5 - cnf) / (1.0 + z), 100 * (freq + z * 0.5 + cnf) / (1.0 + z)
+
+
+def _stderr(p: float, n: int) -> float:
+    """perplexity.cpp's sqrt(p (1 - p) / (n - 1)), in percent (nan for a single task)."""
+    return 100 * math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
+
+
+def parse_hellaswag(output: str) -> Accuracy:
+    lines = _HS_LINE.findall(output)
+    count = _HS_COUNT.search(output)
+    expected = int(count.group(1)) if count else None
+    errors = tool_errors(output)
+    if errors and (not lines or expected is None or len(lines) != expected):
+        raise NblError("llama-perplexity --hellaswag failed: " + " | ".join(errors))
+    if not lines:
+        if errors:
+            raise NblError("llama-perplexity --hellaswag failed: " + " | ".join(errors))
+        raise IncompleteOutput("llama-perplexity --hellaswag printed no task results")
+    n, acc, lo, hi = lines[-1]
+    if expected is not None and int(n) != expected:
+        raise IncompleteOutput(f"llama-perplexity --hellaswag stopped after {n} of {expected} tasks")
+    per_task = [float(a) for _, a, _, _ in lines]
+    return Accuracy("hellaswag", float(acc), int(n), ci95=(float(lo), float(hi)), per_task=per_task)
+
+
+def parse_winogrande(output: str) -> Accuracy:
+    lines = _WG_LINE.findall(output)
+    count = _WG_COUNT.findall(output)
+    expected = int(count[-1]) if count else None
+    errors = [e for e in tool_errors(output) if "load_winogrande_from_csv" not in e]  # skipped rows
+    if errors and (not lines or expected is None or len(lines) != expected):
+        raise NblError("llama-perplexity --winogrande failed: " + " | ".join(errors))
+    if not lines:
+        errors = tool_errors(output)
+        if errors:
+            raise NblError("llama-perplexity --winogrande failed: " + " | ".join(errors))
+        raise IncompleteOutput("llama-perplexity --winogrande printed no task results")
+    if expected is not None and len(lines) != expected:
+        raise IncompleteOutput(f"llama-perplexity --winogrande stopped after {len(lines)} of {expected} tasks")
+    per_task = [(float(s1), float(s2), int(r), int(a)) for _, _, s1, s2, r, a in lines]
+    n = len(per_task)
+    correct = sum(r == a for _, _, r, a in per_task)
+    final = _WG_FINAL.search(output)
+    if final:  # printed only for 100 tasks or more
+        return Accuracy("winogrande", float(final.group(2)), int(final.group(1)), stderr=float(final.group(3)),
+                        per_task=per_task)
+    return Accuracy("winogrande", 100.0 * correct / n, n, stderr=_stderr(correct / n, n), per_task=per_task)
+
+
+def parse_multiple_choice(output: str) -> Accuracy:
+    lines = _MC_LINE.findall(output)
+    count = _MC_COUNT.search(output)
+    if count is None:
+        errors = tool_errors(output)
+        raise NblError("llama-perplexity --multiple-choice failed: "
+                       + (" | ".join(errors) if errors else "it scored no tasks"))
+    expected = int(count.group(1))
+    # the header "task\tacc_norm" is not matched; task lines are "n\tpercent"
+    lines = [(int(n), float(a)) for n, a in lines]
+    errors = tool_errors(output)
+    if len(lines) != expected and errors:
+        raise NblError("llama-perplexity --multiple-choice failed: " + " | ".join(errors))
+    if len(lines) != expected:
+        raise IncompleteOutput(f"llama-perplexity --multiple-choice stopped after {len(lines)} of {expected} tasks")
+    n, acc = lines[-1]
+    correct = round(acc * n / 100)
+    per_task = [a for _, a in lines]
+    final = _MC_FINAL.search(output)
+    if final:
+        return Accuracy("multiple-choice", float(final.group(1)), n, stderr=float(final.group(2)), per_task=per_task)
+    return Accuracy("multiple-choice", 100.0 * correct / n, n, stderr=_stderr(correct / n, n), per_task=per_task)
+
+
+# --- running llama-perplexity ---------------------------------------------------------------------
+
+def run_perplexity_tool(model: str | os.PathLike, args: Sequence[str], parse, *, threads: int | None = None, cwd=None):
+    """Run llama-perplexity on ``model`` and parse its output (IncompleteOutput if results are missing)."""
+    from nbl_gguf.llamacpp.tools import tool
+
+    binary = tool("llama-perplexity")
+    model = Path(model)
+    if not model.is_file():
+        raise NblError(f"{model} does not exist")
+    command = [str(binary), "-m", str(model), *map(str, args)]
+    if threads:
+        command += ["-t", str(threads)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, errors="replace")
+    output = done.stdout + "\n" + done.stderr
+    if done.returncode != 0:
+        errors = tool_errors(output) or output.strip().splitlines()[-5:]
+        raise NblError(f"llama-perplexity failed on {model.name} (exit {done.returncode}): " + " | ".join(errors))
+    try:
+        return parse(output)
+    except IncompleteOutput as error:
+        raise IncompleteOutput(f"{error} ({model.name})") from None
+
+
+def perplexity(model, text_file, *, n_ctx: int = DEFAULT_CTX, chunks: int | None = None, batch: int | None = None,
+               threads: int | None = None) -> Perplexity:
+    args = ["-f", str(text_file), "-c", str(n_ctx), "--ppl-output-type", "1"]
+    if chunks:
+        args += ["--chunks", str(chunks)]
+    if batch:
+        args += ["-b", str(batch)]
+    return run_perplexity_tool(model, args, parse_perplexity, threads=threads)
+
+
+def hellaswag(model, path, *, n_ctx: int = DEFAULT_CTX, tasks: int | None = None, threads=None) -> Accuracy:
+    path = Path(path)
+    available = check_hellaswag(path)
+    args = ["-f", str(path), "--hellaswag", "-c", str(n_ctx), "--hellaswag-tasks", str(tasks or available)]
+    return run_perplexity_tool(model, args, parse_hellaswag, threads=threads)
+
+
+def winogrande(model, path, *, n_ctx: int = DEFAULT_CTX, tasks: int | None = None, threads=None) -> Accuracy:
+    with tempfile.TemporaryDirectory(prefix="nbl-eval-") as tmp:
+        copy, _, _ = prepare_winogrande(Path(path), Path(tmp))
+        args = ["-f", str(copy), "--winogrande", "-c", str(n_ctx)]
+        if tasks:
+            args += ["--winogrande-tasks", str(tasks)]
+        return run_perplexity_tool(model, args, parse_winogrande, threads=threads)
+
+
+def multiple_choice(model, path, *, n_ctx: int = DEFAULT_CTX, tasks: int | None = None, threads=None) -> Accuracy:
+    path = Path(path)
+    _, answers = check_multiple_choice(path)
+    # each answer is a sequence of its own: a task with more than 4 answers needs more parallel sequences
+    args = ["-f", str(path), "--multiple-choice", "-c", str(n_ctx), "-np", str(max(4, answers))]
+    if tasks:
+        args += ["--multiple-choice-tasks", str(tasks)]
+    return run_perplexity_tool(model, args, parse_multiple_choice, threads=threads)
+
+
+TASK_RUNNERS = {"hellaswag": hellaswag, "winogrande": winogrande, "multiple-choice": multiple_choice}
+
+
+def evaluate(model, *, text_file=None, n_ctx=DEFAULT_CTX, chunks=None, batch=None, threads=None,
+             task_files: dict | None = None) -> dict:
+    """Perplexity (if ``text_file``) and each task's accuracy of one GGUF, as plain data."""
+    result: dict = {"model": str(model)}
+    if text_file is not None:
+        result["perplexity"] = asdict(perplexity(model, text_file, n_ctx=n_ctx, chunks=chunks, batch=batch,
+                                                 threads=threads))
+        result["perplexity"]["tokens"] = Perplexity(**result["perplexity"]).tokens
+    for task, (path, tasks) in (task_files or {}).items():
+        acc = TASK_RUNNERS[task](model, path, n_ctx=n_ctx, tasks=tasks, threads=threads)
+        result[task] = {"accuracy": acc.accuracy, "tasks": acc.tasks, "stderr": acc.stderr,
+                        "ci95": list(acc.interval), "printed_ci": acc.ci95 is not None}
+    return result
