@@ -3,7 +3,7 @@
 
 Both run in one process on the same token windows:
   ours       one forward pass, hooks fold every layer's (X, Y) -- attention AND block -- into
-             float64 running sums; per-layer eigh solve + CCA (nbl_gguf.calibrate)
+             float64 running sums; per-layer eigh solve + CCA (nbl_gguf.calibration.calibrate)
   reference  one forward pass that materializes X and Y of every attention layer over all tokens
              (the paper's code path), then per layer float64 torch.cov, explicit inverse,
              W = C_YX C_XX^-1, CCA from inverse square roots
