@@ -88,7 +88,7 @@ def main() -> int:
         "nbl/nbl_resid": ("attn-nbl", select_layers(table["nbl_resid"], args.m)),
         "drop/drop_resid": ("attn-drop", select_layers(table["drop_resid"], args.m)),
     }
-    text = torch_ppl.heldout_text().removesuffix("\n")
+    text = dataset.heldout_text().removesuffix("\n")
     if args.gguf:
         tokens, bos = torch_ppl.llama_tokens(args.gguf, text)
     else:

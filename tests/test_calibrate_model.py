@@ -132,9 +132,11 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def run_calibrate(*argv):
+    """The calibrate command; these tests are about the statistics, so layers are chosen by cosine
+    (the default, best, measures the model on held-out windows: tests/test_calibrate_select.py)."""
     parser = argparse.ArgumentParser()
     calibrate.add_arguments(parser)
-    return calibrate.run(parser.parse_args([str(a) for a in argv]))
+    return calibrate.run(parser.parse_args(["--criterion", "cosine"] + [str(a) for a in argv]))
 
 
 def test_calibrate_end_to_end_artifact(tiny_checkpoint):
@@ -147,14 +149,14 @@ def test_calibrate_end_to_end_artifact(tiny_checkpoint):
     assert report["model"]["num_layers"] == 3 and report["model"]["hidden_size"] == 32
     assert report["data"]["tokens"] == 8 * 32 == report["statistics"]["tokens_per_layer"]
     assert len(report["data"]["sha256"]) == 64
-    assert report["selection"] == {"method": "attn-nbl", "criterion": "cca", "m": 1,
+    assert report["selection"] == {"method": "attn-nbl", "criterion": "cosine", "m": 1,
                                    "layers": art.select()}
     assert set(report["timings_s"]) >= {"load_model", "load_data", "forward_and_statistics", "solve"}
     for target in ("attn", "block"):
         for criterion in ("cca", "nmse", "cosine"):
             assert np.isfinite(art.scores(criterion, target)).all()
-    cca = art.scores("cca", "attn")
-    assert art.select(1) == [int(np.argmin(cca))]
+    assert art.select(1) == [int(np.argmin(art.scores("cosine", "attn")))]
+    assert art.select(1, "cca") == [int(np.argmin(art.scores("cca", "attn")))]
     assert art.layer_types(2, "nmse", "attn-drop").count(ATTN_DROP) == 2
 
     # The stored maps are the LMMSE fits of the captured activations (independent numpy solve).

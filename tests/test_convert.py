@@ -192,7 +192,8 @@ def test_convert_reuses_calibration_attn_drop_f16(tiny_hf, tiny_artifact, tmp_pa
 
     out = tmp_path / "drop.gguf"
     code = cli.main(["convert", "--model", str(tiny_hf), "--calibration", str(tiny_artifact), "--m", "1",
-                     "--method", "attn-drop", "--criterion", "nmse", "--quant", "f16", "--no-progress", "-o", str(out)])
+                     "--method", "attn-drop", "--criterion", "nmse", "--quant", "f16", "--no-progress", "--no-eval",
+                     "-o", str(out)])
     assert code == 0
     stdout = capsys.readouterr().out
     assert "attn-drop by nmse, 1 of 4 layers replaced" in stdout
@@ -218,6 +219,44 @@ def test_convert_reuses_calibration_attn_drop_f16(tiny_hf, tiny_artifact, tmp_pa
     assert info["replaced"] == {"linear": 0, "dropped": 1}
     assert info["layers"][dropped[0]]["type"] == "dropped" and info["calibration"]["nsamples"] == 8
     assert info["kv_bytes_per_token"] == {"stock": 512, "file": 384}
+
+
+@needs_converter
+def test_convert_records_the_default_criterion_and_the_auto_choice(tiny_hf, tmp_path, capsys):
+    """With no --criterion the layers are those of the local criterion that costs least on the held-out
+    windows, and the GGUF says so (nbl.criterion best, the comparison in the provenance); with --m auto
+    the provenance carries the held-out losses that chose m."""
+    import gguf
+
+    from nbl_gguf.calibration.artifact import DEFAULT_CRITERION, load_artifact
+
+    common = ["--model", str(tiny_hf), "--nsamples", "8", "--seqlen", "64", "--device", "cpu", "--quant", "f16",
+              "--no-progress", "--no-eval"]
+    out = tmp_path / "default.gguf"
+    assert cli.main(["convert", *common, "--m", "1", "--save-calibration", str(tmp_path / "cal"), "-o", str(out)]) == 0
+    reader = gguf.GGUFReader(out)
+    assert DEFAULT_CRITERION == "best" and reader.fields[nbl_format.CRITERION_KEY].contents() == "best"
+    artifact = load_artifact(tmp_path / "cal")
+    best = artifact.report["selection"]["chosen"]
+    assert [i for i, t in enumerate(nbl_format.read_layer_types(reader)) if t] == [int(np.argmin(artifact.scores(best)))]
+    provenance = json.loads(reader.fields[nbl_format.CALIBRATION_KEY].contents())
+    assert provenance["selection"]["heldout"]["compared"][best]["layers"] == artifact.select()
+
+    out = tmp_path / "auto.gguf"
+    assert cli.main(["convert", *common, "--m", "auto", "--max-ppl-increase", "1e9", "--selection-windows", "20",
+                     "--save-calibration", str(tmp_path / "auto-cal"), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    provenance = json.loads(gguf.GGUFReader(out).fields[nbl_format.CALIBRATION_KEY].contents())
+    chosen = load_artifact(tmp_path / "auto-cal").report["selection"]
+    assert provenance["selection"]["max_ppl_increase"] == 1e9 and provenance["selection"]["heldout"] == chosen["heldout"]
+    assert chosen["m"] == N_LAYER - 1 and f"attn-nbl by best, {N_LAYER - 1} of {N_LAYER} layers replaced" in printed
+    # reusing that artifact with --m auto takes its choice; an artifact made for a fixed m is refused
+    assert cli.main(["convert", *common, "--m", "auto", "--calibration", str(tmp_path / "auto-cal"),
+                     "-o", str(tmp_path / "again.gguf")]) == 0
+    assert cli.main(["convert", *common, "--m", "auto", "--calibration", str(tmp_path / "cal"),
+                     "-o", str(tmp_path / "refused.gguf")]) == 2
+    assert "--m auto is decided while calibrating" in capsys.readouterr().err
+    assert not (tmp_path / "refused.gguf").exists()
 
 
 @needs_converter

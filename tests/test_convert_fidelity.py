@@ -25,6 +25,7 @@ M = 8
 WINDOW = 256
 WINDOWS = 4
 PROMPT = "The capital of France is"
+EVAL_CHUNKS = 2
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def embedded(tmp_path_factory):
     artifact_dir = calibrate_into(root / "calibration", model_dir,
                                   convert_args(nsamples=6, seqlen=128, m=M, device="cpu"))
     f32 = root / "nbl-f32.gguf"
-    summary = convert(convert_args(calibration=str(artifact_dir), m=M, quant="f32", output=str(f32)))
+    summary = convert(convert_args(calibration=str(artifact_dir), m=M, quant="f32", output=str(f32), no_eval=False,
+                                   eval_chunks=EVAL_CHUNKS))
     q4 = quantize(f32, root / "nbl-q4_k_m.gguf", "q4_k_m")
     return load_artifact(artifact_dir), summary, f32, q4
 
@@ -100,6 +102,30 @@ def test_f32_nbl_gguf_matches_pytorch_nbl(embedded):
     print(f"top-1 agreement {agree / total:.4f} over {total} tokens; perplexity HF {ppl_hf:.4f} GGUF {ppl_gguf:.4f}")
     assert agree / total >= 0.99
     assert abs(ppl_gguf - ppl_hf) / ppl_hf <= 0.005
+
+
+def test_summary_heldout_perplexity_matches_pytorch(embedded):
+    """convert's held-out perplexity of the stock and NBL files (llama-perplexity) against PyTorch on the
+    same chunks of the same tokens (the F32 files reproduce their models, so the two must agree)."""
+    from nbl_gguf import models
+    from nbl_gguf.calibration.apply import apply_nbl
+    from nbl_gguf.calibration.dataset import heldout_text
+    from nbl_gguf.gguf.convert import EVAL_CTX
+    from nbl_gguf.measurement.torch_ppl import llama_tokens, torch_perplexity
+
+    artifact, summary, f32, _ = embedded
+    heldout = summary.heldout
+    assert heldout["chunks"] == EVAL_CHUNKS and heldout["ctx"] == EVAL_CTX
+    tokens, bos = llama_tokens(f32, heldout_text().removesuffix("\n"))
+    loaded = models.load_model(None, "fp32", "cpu")
+    stock = torch_perplexity(loaded.model, tokens, EVAL_CTX, chunks=EVAL_CHUNKS, bos=bos)
+    nbl = torch_perplexity(apply_nbl(loaded.model, artifact.layer_types(M, "cca", "attn-nbl"), artifact), tokens,
+                           EVAL_CTX, chunks=EVAL_CHUNKS, bos=bos)
+    assert heldout["tokens"] == stock.tokens
+    assert heldout["stock"] == pytest.approx(stock.ppl, rel=2e-3)
+    assert heldout["nbl"] == pytest.approx(nbl.ppl, rel=2e-3)
+    assert heldout["nbl"] > heldout["stock"]
+    assert f"held-out perplexity ({stock.tokens:,} tokens)" in summary.table()
 
 
 def test_q4_k_m_nbl_gguf_generates(embedded):

@@ -13,6 +13,7 @@ import pytest
 
 from nbl_gguf import cli
 from nbl_gguf.gguf import nbl_format
+from nbl_gguf.llamacpp import perplexity as runtime_ppl
 from nbl_gguf.measurement import perplexity as llama_ppl
 from nbl_gguf.measurement import tasks as task_formats
 from nbl_gguf.measurement import torch_ppl
@@ -142,7 +143,7 @@ def test_perplexity_matches_numpy_chunking(tiny, tmp_path, nbl):
     else:
         tiny.write_gguf(gguf)
     n_ctx = 64
-    result = llama_ppl.perplexity(gguf, path, n_ctx=n_ctx, threads=THREADS)
+    result = runtime_ppl.perplexity(gguf, path, n_ctx=n_ctx, threads=THREADS)
     tokens = tokenize(text)
     ref = Reference(tiny, types, linear)
     ppl, err, count = ref.perplexity(tokens, n_ctx)
@@ -160,7 +161,7 @@ def test_perplexity_text_too_short(tiny_gguf, tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("the cat sat")
     with pytest.raises(NblError, match="need at least 128 tokens"):
-        llama_ppl.perplexity(tiny_gguf, path, n_ctx=64)
+        runtime_ppl.perplexity(tiny_gguf, path, n_ctx=64)
 
 
 # --- HellaSwag --------------------------------------------------------------------------------
@@ -285,15 +286,15 @@ PPL_OUTPUT = """0.01.675.631 I perplexity: calculating perplexity over 3 chunks,
 
 
 def test_parse_perplexity():
-    result = llama_ppl.parse_perplexity(PPL_OUTPUT)
+    result = runtime_ppl.parse_perplexity(PPL_OUTPUT)
     assert (result.ppl, result.error, result.chunks, result.n_ctx, result.tokens) == (444.3008, 29.90065, 3, 128, 189)
     # the final line lost: the running line of the last chunk has the same numbers
-    lost = llama_ppl.parse_perplexity(PPL_OUTPUT.split("\n\n")[0])
+    lost = runtime_ppl.parse_perplexity(PPL_OUTPUT.split("\n\n")[0])
     assert lost.ppl == 444.3008 and lost.error == pytest.approx(444.3008 * 0.067298)
     with pytest.raises(llama_ppl.IncompleteOutput):
-        llama_ppl.parse_perplexity(PPL_OUTPUT.split("     256")[0])
+        runtime_ppl.parse_perplexity(PPL_OUTPUT.split("     256")[0])
     with pytest.raises(NblError, match="you need at least 1024 tokens"):
-        llama_ppl.parse_perplexity("0.01.6 E perplexity: you need at least 1024 tokens to evaluate perplexity with a "
+        runtime_ppl.parse_perplexity("0.01.6 E perplexity: you need at least 1024 tokens to evaluate perplexity with a "
                             "context of 512\n")
 
 

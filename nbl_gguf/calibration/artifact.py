@@ -22,7 +22,11 @@ from nbl_gguf.errors import NblError
 WEIGHTS = "nbl.safetensors"
 REPORT = "report.json"
 PLOT = "scores.png"
-CRITERIA = ("cca", "nmse", "cosine")
+CRITERIA = ("cca", "nmse", "cosine")  # per-layer scores, kept for every layer
+# chosen by the held-out loss of the whole model (no per-layer score): best of the three, greedy
+SELECTIONS = ("best",) + CRITERIA + ("greedy",)
+DEFAULT_CRITERION = "best"
+LOCAL_DEFAULT = "cosine"  # the local criterion that plots and greedy's candidates start from
 TARGETS = ("attn", "block")
 METHOD_TARGET = {"attn-nbl": "attn", "attn-drop": "attn", "block-nbl": "block"}
 
@@ -76,7 +80,24 @@ class CalibrationArtifact:
         method = method or chosen["method"]
         if method not in METHOD_TARGET:
             raise NblError(f"unknown method '{method}' (use {', '.join(METHOD_TARGET)})")
+        if criterion in ("greedy", "best"):
+            return self._recorded_prefix(m, method, criterion)
         return select_layers(self.scores(criterion, METHOD_TARGET[method]), m)
+
+    def _recorded_prefix(self, m: int, method: str, criterion: str) -> list[int]:
+        """The first m layers of the order that greedy or best recorded at calibration time (their choice
+        was measured on the model, so it cannot be redone from the scores)."""
+        chosen = self.report["selection"]
+        order = (chosen.get("heldout") or {}).get("order")
+        if chosen.get("criterion") != criterion or order is None:
+            raise NblError(f"the calibration in {self.path} made no {criterion} selection: calibrate with "
+                           f"--criterion {criterion}")
+        if method != chosen["method"]:
+            raise NblError(f"the {criterion} selection in {self.path} was made for {chosen['method']}, not {method}")
+        if not 0 <= m <= len(order):
+            raise NblError(f"the {criterion} selection in {self.path} goes to m = {len(order)}, not {m}: "
+                           f"calibrate again with --criterion {criterion} --m {m}")
+        return sorted(order[:m])
 
     def layer_types(self, m: int | None = None, criterion: str | None = None, method: str | None = None) -> list[int]:
         """Per-layer codes for apply_nbl / the GGUF layer map (0 keep, 1 attn-nbl, 2 attn-drop, 3 block-nbl)."""
@@ -144,7 +165,7 @@ def plot_scores(path: Path, report: dict) -> None:
             if name not in report_targets(report):
                 continue
             ax.plot(x, [layer[name][criterion] for layer in layers], style, ms=3, label=name)
-        if criterion == selection["criterion"]:
+        if criterion == selection.get("chosen", selection["criterion"] if selection["criterion"] in CRITERIA else LOCAL_DEFAULT):
             chosen = selection["layers"]
             ax.plot(chosen, [layers[i][target][criterion] for i in chosen], "r*", ms=12,
                     label=f"selected ({selection['method']})")

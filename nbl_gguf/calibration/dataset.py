@@ -30,6 +30,17 @@ def heldout_texts() -> list[str]:
     return _bundled_texts()[CALIBRATION_DOCS:]
 
 
+def heldout_text() -> str:
+    """The held-out documents, blank-line separated: the default text of perplexity measurements."""
+    return "\n\n".join(text.strip() for text in heldout_texts() if text.strip()) + "\n"
+
+
+def write_heldout_text(path) -> Path:
+    path = Path(path)
+    path.write_text(heldout_text(), encoding="utf-8")
+    return path
+
+
 def _as_text(item, where: str, field: str) -> str:
     if isinstance(item, str):
         return item
@@ -118,6 +129,12 @@ class CalibrationData:
     @property
     def tokens(self) -> int:
         return self.nsamples * self.seqlen
+
+    def split_last(self, count: int):
+        """(these data without their last ``count`` windows, those windows): a held-out slice of the same text."""
+        import dataclasses
+
+        return dataclasses.replace(self, input_ids=self.input_ids[:-count]), self.input_ids[-count:]
 
 
 def effective_seqlen(seqlen: int, max_positions: int | None) -> int:

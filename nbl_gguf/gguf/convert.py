@@ -18,30 +18,32 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nbl_gguf.calibration.calibrate import add_dataset_arguments
+from nbl_gguf.calibration.artifact import CRITERIA
+from nbl_gguf.calibration.calibrate import add_dataset_arguments, add_selection_arguments, selection_budget
 from nbl_gguf.errors import NblError
 
 METHODS = ("attn-nbl", "attn-drop")
-CRITERIA = ("cca", "nmse", "cosine")
 FLOAT_OUTPUTS = ("F32", "F16", "BF16")
 DEFAULT_QUANT = "q4_k_m"
+# the summary's held-out perplexity: a small slice, so that it costs seconds on a small model
+EVAL_CTX = 512
+EVAL_CHUNKS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF folder or hub id of a supported model (llama, mistral, qwen2/3, phi3, gemma2/3, ...) "
                              "(default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--m", type=int, default=None,
-                        help="number of attention layers to replace (default: min(12, layers - 1))")
     parser.add_argument("--quant", default=DEFAULT_QUANT,
                         help="output type: any llama-quantize type (q4_k_m, q5_k_m, q8_0, ...) or f32/f16/bf16 "
                              f"(default: {DEFAULT_QUANT})")
     parser.add_argument("--method", default="attn-nbl",
                         help="attn-nbl (attention -> W x + b) or attn-drop (attention removed); "
                              "block-nbl is evaluated in PyTorch only")
-    parser.add_argument("--criterion", default="cca", choices=CRITERIA, help="score that selects the layers")
+    add_selection_arguments(parser)
     add_dataset_arguments(parser)
-    parser.add_argument("--nsamples", type=int, default=None, help="calibration windows (default: calibrate's)")
+    parser.add_argument("--nsamples", type=int, default=None,
+                        help="calibration windows (default: calibrate's: 256 on CUDA, 32 on a CPU)")
     parser.add_argument("--seqlen", type=int, default=None, help="tokens per calibration window (default: calibrate's)")
     parser.add_argument("--batch-size", type=int, default=1, help="calibration windows per forward pass")
     parser.add_argument("--device", default="auto", help="calibration device: cuda, cuda:N or cpu")
@@ -57,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="threads for llama-quantize / llama-imatrix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-eval", action="store_true",
+                        help="skip the held-out perplexity of the stock and NBL files (llama-perplexity)")
+    parser.add_argument("--eval-chunks", type=int, default=EVAL_CHUNKS,
+                        help=f"held-out chunks of {EVAL_CTX} tokens for that perplexity (default: {EVAL_CHUNKS})")
     parser.add_argument("-o", "--output", default="model-nbl.gguf", help="output GGUF (default: model-nbl.gguf)")
 
 
@@ -132,7 +138,7 @@ def llama_cpp_commit() -> str | None:
     return None
 
 
-def provenance(artifact, model_dir: Path) -> dict:
+def provenance(artifact, model_dir: Path, layers: list[int] | None = None) -> dict:
     """What the GGUF records about its calibration (no paths or timings: the bytes must be reproducible)."""
     from nbl_gguf import __version__
 
@@ -153,7 +159,16 @@ def provenance(artifact, model_dir: Path) -> dict:
         "text_sha256": data.get("sha256"),
         "seed": data.get("seed"),
         "versions": {**report.get("versions", {}), "nbl_gguf": __version__, "llama.cpp": llama_cpp_commit()},
+        **_measured_selection(report.get("selection", {}), layers),
     }
+
+
+def _measured_selection(selection: dict, layers: list[int] | None) -> dict:
+    """Why these layers, when they are the calibration's --m auto or greedy choice (held-out losses)."""
+    if layers is None or "heldout" not in selection or sorted(selection.get("layers", [])) != sorted(layers):
+        return {}
+    keys = ("method", "criterion", "m", "max_ppl_increase", "heldout")
+    return {"selection": {key: selection[key] for key in keys if key in selection}}
 
 
 def calibrate_into(directory: Path, model_dir: Path, args) -> Path:
@@ -175,6 +190,9 @@ def calibrate_into(directory: Path, model_dir: Path, args) -> Path:
     cargs.batch_size = args.batch_size
     cargs.device = args.device
     cargs.m = args.m
+    cargs.max_ppl_increase = args.max_ppl_increase
+    cargs.selection_windows = args.selection_windows
+    cargs.candidates = args.candidates
     cargs.method = args.method
     cargs.criterion = args.criterion
     cargs.seed = args.seed
@@ -182,6 +200,37 @@ def calibrate_into(directory: Path, model_dir: Path, args) -> Path:
     cargs.output = str(directory)
     calibrate.run(cargs)
     return directory
+
+
+def chosen_layers(artifact, args, method: str, n_layer: int) -> list[int]:
+    """The layers to replace: the calibration's own choice (made in this run, or --m auto), else the
+    artifact's maps re-ranked for --m / --criterion."""
+    from nbl_gguf.calibration.calibrate import default_m
+
+    selection = artifact.report["selection"]
+    if args.m == "auto":
+        if "max_ppl_increase" not in selection or selection["criterion"] != args.criterion:
+            raise NblError(f"--m auto is decided while calibrating; the calibration in {artifact.path} chose a fixed "
+                           f"m by {selection['criterion']}: calibrate with --m auto --criterion {args.criterion}")
+        if args.max_ppl_increase is not None and args.max_ppl_increase != selection["max_ppl_increase"]:
+            raise NblError(f"the calibration in {artifact.path} chose m within +{selection['max_ppl_increase']:g}%, "
+                           f"not +{args.max_ppl_increase:g}%: calibrate again with that budget")
+        return sorted(artifact.select(None, args.criterion, method))
+    m = default_m(n_layer) if args.m is None else args.m
+    return sorted(artifact.select(m, args.criterion, method))
+
+
+def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args) -> dict:
+    """llama-perplexity of the stock and the NBL file on the first chunks of the bundled held-out text
+    (documents never used for calibration)."""
+    from nbl_gguf.calibration.dataset import write_heldout_text
+    from nbl_gguf.llamacpp.perplexity import perplexity
+
+    text = write_heldout_text(tmp / "heldout.txt")
+    results = {name: perplexity(path, text, n_ctx=EVAL_CTX, chunks=args.eval_chunks, threads=args.threads)
+               for name, path in (("stock", stock), ("nbl", nbl))}
+    return {"tokens": results["nbl"].tokens, "chunks": results["nbl"].chunks, "ctx": EVAL_CTX,
+            "stock": results["stock"].ppl, "nbl": results["nbl"].ppl}
 
 
 def imatrix_context(artifact) -> int:
@@ -218,12 +267,13 @@ class Summary:
     criterion: str
     n_layer: int
     replaced: list[int]
-    scores: list[float]
+    scores: list[float] | None
     stock_bytes: int
     nbl_bytes: int
     kv_stock: int
     kv_nbl: int
     output: Path
+    heldout: dict | None = None  # heldout_perplexities(), or None with --no-eval
     extra: dict = field(default_factory=dict)
 
     def table(self) -> str:
@@ -241,16 +291,23 @@ class Summary:
             ("KV cache at 4096 tokens", human_bytes(self.kv_stock * 4096), human_bytes(self.kv_nbl * 4096),
              change(self.kv_stock, self.kv_nbl)),
         ]
+        if self.heldout:
+            rows.append((f"held-out perplexity ({self.heldout['tokens']:,} tokens)", f"{self.heldout['stock']:.3f}",
+                         f"{self.heldout['nbl']:.3f}", change(self.heldout["stock"], self.heldout["nbl"])))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"{self.model}: {self.method} by {self.criterion}, {len(self.replaced)} of {self.n_layer} layers "
                  f"replaced: {', '.join(map(str, self.replaced)) or 'none'}"]
-        lines.append("  layer scores (" + self.criterion + "): "
-                     + ", ".join(f"{i}={self.scores[i]:.4f}" for i in self.replaced))
+        if self.scores is not None:
+            lines.append("  layer scores (" + self.criterion + "): "
+                         + ", ".join(f"{i}={self.scores[i]:.4f}" for i in self.replaced))
         for index, row in enumerate(rows):
             lines.append("  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                                           for i, (cell, w) in enumerate(zip(row, widths))))
             if index == 0:
                 lines.append("  " + "  ".join("-" * w for w in widths))
+        if self.heldout:
+            lines.append(f"  held-out perplexity: llama-perplexity, {self.heldout['chunks']} chunks of "
+                         f"{self.heldout['ctx']} tokens of the bundled C4 documents never used for calibration")
         lines.append(f"  output: {self.output}")
         return "\n".join(lines)
 
@@ -278,14 +335,19 @@ def convert(args) -> Summary:
     model_dir = resolve_model_dir(args.model)
     check_hf_folder(model_dir)
     n_layer, hidden = model_shape(model_dir)
-    if args.m is not None and not 0 <= args.m <= n_layer:
-        raise NblError(f"--m {args.m} is out of range: {model_dir.name} has {n_layer} layers")
+    m, _ = selection_budget(args.m, args.max_ppl_increase)
+    if m is not None and not 0 <= m <= n_layer:
+        raise NblError(f"--m {m} is out of range: {model_dir.name} has {n_layer} layers")
     if args.calibration and not Path(args.calibration).is_dir():
         raise NblError(f"--calibration {args.calibration}: no such artifact directory")
+    if args.eval_chunks < 1:
+        raise NblError(f"--eval-chunks must be at least 1, got {args.eval_chunks}")
 
     steps = ["calibrate" if not args.calibration else "load calibration", "stock conversion", "NBL rewrite"]
     if quant not in FLOAT_OUTPUTS:
         steps += (["imatrix"] if args.imatrix else []) + ["quantize stock", "quantize NBL"]
+    if not args.no_eval:
+        steps.append("held-out perplexity")
     progress = tqdm(total=len(steps), desc="convert", unit="step", disable=args.no_progress, file=sys.stderr)
 
     def step(name):
@@ -307,11 +369,9 @@ def convert(args) -> Summary:
         artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
         if artifact_hidden is not None and int(artifact_hidden) != hidden:
             raise NblError(f"the calibration is for hidden size {artifact_hidden}, {model_dir.name} has {hidden}")
-        from nbl_gguf.calibration.calibrate import default_m
-
-        m = default_m(n_layer) if args.m is None else args.m
-        selected = sorted(artifact.select(m, args.criterion, method))
-        scores = [float(s) for s in artifact.scores(args.criterion, "attn")]
+        selected = chosen_layers(artifact, args, method, n_layer)
+        # greedy has no per-layer score: its reasons are the held-out losses in the provenance
+        scores = [float(s) for s in artifact.scores(args.criterion, "attn")] if args.criterion in CRITERIA else None
         layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
         types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
         linear = {i: artifact.linear(i, "attn") for i in selected if layer_type == nbl_format.LINEAR}
@@ -326,7 +386,7 @@ def convert(args) -> Summary:
         # 3. NBL rewrite
         step(steps[2])
         layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion,
-                                    scores=scores, calibration=provenance(artifact, model_dir))
+                                    scores=scores, calibration=provenance(artifact, model_dir, selected))
         final_float = quant in FLOAT_OUTPUTS
         nbl_path = output if final_float else tmp / f"nbl-{intermediate}.gguf"
         nbl_format.write_nbl_gguf(stock, nbl_path, layers, weight_type=intermediate.upper())
@@ -349,12 +409,17 @@ def convert(args) -> Summary:
             step("quantize NBL")
             quantize(nbl_path, output, quant, imatrix=imatrix, threads=args.threads)
             progress.update()
+        heldout = None
+        if not args.no_eval:
+            step("held-out perplexity")
+            heldout = heldout_perplexities(stock_final, output, tmp, args)
+            progress.update()
         progress.close()
         _default_permissions(output)
 
         stock_reader = gguf.GGUFReader(stock_final)
         kv_stock, kv_nbl = kv_bytes_per_token(stock_reader, types)
-        return Summary(
+        return Summary(heldout=heldout, 
             model=artifact.report.get("model", {}).get("name") or model_dir.name, quant=quant, method=method,
             criterion=args.criterion, n_layer=n_layer, replaced=selected, scores=scores,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,

@@ -1,38 +1,22 @@
-"""Running the patched ``llama-perplexity`` and parsing its output: perplexity, HellaSwag,
-Winogrande and multiple-choice accuracy of one GGUF (evaluate gives all of them as plain data)."""
+"""HellaSwag, Winogrande and multiple-choice accuracy of one GGUF through the patched ``llama-perplexity``
+(perplexity itself: nbl_gguf.llamacpp.perplexity); evaluate gives all of them as plain data."""
 
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from nbl_gguf.errors import NblError
+# the perplexity runner lives with the llama.cpp runtime (convert measures its files with it too)
+from nbl_gguf.llamacpp.perplexity import (DEFAULT_CTX, FLOAT as _FLOAT, IncompleteOutput, Perplexity, perplexity,
+                                          run_perplexity_tool, tool_errors)
 from nbl_gguf.measurement.tasks import check_hellaswag, check_multiple_choice, prepare_winogrande
 
 
-DEFAULT_CTX = 512
-
-
 # --- results -------------------------------------------------------------------------------------
-
-@dataclass
-class Perplexity:
-    ppl: float
-    error: float  # llama-perplexity's "+/-": ppl * standard error of the mean token NLL
-    chunks: int
-    n_ctx: int
-
-    @property
-    def tokens(self) -> int:
-        """Scored tokens: n_ctx - n_ctx/2 - 1 per chunk."""
-        return self.chunks * (self.n_ctx - self.n_ctx // 2 - 1)
-
 
 @dataclass
 class Accuracy:
@@ -59,11 +43,6 @@ class Accuracy:
 
 # --- parsing llama-perplexity's output ----------------------------------------------------------
 
-_FLOAT = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|-?inf)"
-_PPL_FINAL = re.compile(r"Final estimate: PPL = " + _FLOAT + r" \+/- " + _FLOAT)
-_PPL_SETUP = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
-# --ppl-output-type 1: "%8d  %.4lf  %4lf  %4lf" = position, running PPL, mean NLL, its standard error
-_PPL_CHUNK = re.compile(r"^\s*(\d+)\s+" + _FLOAT + r"\s+" + _FLOAT + r"\s+" + _FLOAT + r"\s*$", re.M)
 _HS_LINE = re.compile(r"^(\d+)\t" + _FLOAT + r"%\t\[" + _FLOAT + r"%, " + _FLOAT + r"%\]\s*$", re.M)
 _HS_COUNT = re.compile(r"hellaswag_score : selecting (\d+)")
 _WG_LINE = re.compile(r"^(\d+)\t" + _FLOAT + r"\t\s*" + _FLOAT + r"\s+" + _FLOAT + r"\s+([12])\s+([12])\s*$", re.M)
@@ -72,33 +51,6 @@ _WG_COUNT = re.compile(r"winogrande_score : (?:loaded|selecting) (\d+)")
 _MC_LINE = re.compile(r"^(\d+)\t" + _FLOAT + r"\s*$", re.M)
 _MC_FINAL = re.compile(r"Final result: " + _FLOAT + r" \+/- " + _FLOAT)
 _MC_COUNT = re.compile(r"calculating TruthfulQA score over (\d+) tasks")
-# LOG_ERR lines, with or without the "M.s.ms.us E " prefix
-_ERROR_LINE = re.compile(r"^(?:[\d.]+ )?E (.+)$", re.M)
-
-
-class IncompleteOutput(NblError):
-    """llama-perplexity ended without printing all of its results."""
-
-
-def tool_errors(output: str) -> list[str]:
-    return [m.group(1).strip() for m in _ERROR_LINE.finditer(output)]
-
-
-def parse_perplexity(output: str) -> Perplexity:
-    setup = _PPL_SETUP.search(output)
-    if setup is None:
-        errors = tool_errors(output)
-        raise NblError("llama-perplexity computed no perplexity" + (": " + " | ".join(errors) if errors else ""))
-    chunks, n_ctx = int(setup.group(1)), int(setup.group(2))
-    final = _PPL_FINAL.search(output)
-    if final:
-        return Perplexity(float(final.group(1)), float(final.group(2)), chunks, n_ctx)
-    # the running line after the last chunk carries the same numbers (with --ppl-output-type 1)
-    lines = _PPL_CHUNK.findall(output)
-    if len(lines) >= chunks:
-        _, ppl, _, stderr = lines[chunks - 1]
-        return Perplexity(float(ppl), float(ppl) * float(stderr), chunks, n_ctx)
-    raise IncompleteOutput(f"llama-perplexity stopped after {len(lines)} of {chunks} chunks without a final estimate")
 
 
 def _wilson(correct: int, n: int) -> tuple[float, float]:
@@ -182,38 +134,6 @@ def parse_multiple_choice(output: str) -> Accuracy:
 
 
 # --- running llama-perplexity ---------------------------------------------------------------------
-
-def run_perplexity_tool(model: str | os.PathLike, args: Sequence[str], parse, *, threads: int | None = None, cwd=None):
-    """Run llama-perplexity on ``model`` and parse its output (IncompleteOutput if results are missing)."""
-    from nbl_gguf.llamacpp.tools import tool
-
-    binary = tool("llama-perplexity")
-    model = Path(model)
-    if not model.is_file():
-        raise NblError(f"{model} does not exist")
-    command = [str(binary), "-m", str(model), *map(str, args)]
-    if threads:
-        command += ["-t", str(threads)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, errors="replace")
-    output = done.stdout + "\n" + done.stderr
-    if done.returncode != 0:
-        errors = tool_errors(output) or output.strip().splitlines()[-5:]
-        raise NblError(f"llama-perplexity failed on {model.name} (exit {done.returncode}): " + " | ".join(errors))
-    try:
-        return parse(output)
-    except IncompleteOutput as error:
-        raise IncompleteOutput(f"{error} ({model.name})") from None
-
-
-def perplexity(model, text_file, *, n_ctx: int = DEFAULT_CTX, chunks: int | None = None, batch: int | None = None,
-               threads: int | None = None) -> Perplexity:
-    args = ["-f", str(text_file), "-c", str(n_ctx), "--ppl-output-type", "1"]
-    if chunks:
-        args += ["--chunks", str(chunks)]
-    if batch:
-        args += ["-b", str(batch)]
-    return run_perplexity_tool(model, args, parse_perplexity, threads=threads)
-
 
 def hellaswag(model, path, *, n_ctx: int = DEFAULT_CTX, tasks: int | None = None, threads=None) -> Accuracy:
     path = Path(path)

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from nbl_gguf.calibration.artifact import CRITERIA
 from nbl_gguf.errors import NblError
 from nbl_gguf.measurement.sweep_report import METHOD_LABELS, collect_rows, plot, write_csv, write_markdown
 
@@ -110,7 +111,8 @@ def get_calibration(args, model_dir: Path, work: Path):
     _log(f"calibrating {model_dir.name}: {args.nsamples} x {args.seqlen} tokens -> {target}")
     ns = argparse_namespace(dataset=None, dataset_config=None, split="train", text_field="text",
                             nsamples=args.nsamples, seqlen=args.seqlen, batch_size=1, device="auto", m=None,
-                            method="attn-nbl", criterion="cca", seed=0)
+                            method="attn-nbl", criterion="cosine", max_ppl_increase=None, selection_windows=None,
+                            candidates=None, seed=0)
     return load_artifact(calibrate_into(target, model_dir, ns))
 
 
@@ -134,7 +136,7 @@ def build_configs(artifact, args, n_layer: int) -> tuple[list[Config], list[Conf
     criteria = []
     if args.criteria_m:
         for method in ("attn-nbl", "attn-drop"):
-            for criterion in ("cca", "nmse", "cosine"):
+            for criterion in CRITERIA:
                 criteria.append(Config(method, args.criteria_m, criterion,
                                        artifact.select(args.criteria_m, criterion, method)))
     return main, criteria
@@ -228,7 +230,8 @@ def run_sweep(args) -> int:
     from nbl_gguf.gguf.inspect import kv_bytes_per_token
     from nbl_gguf.measurement.perplexity import evaluate
     from nbl_gguf.measurement.tasks import _task_files, check_text
-    from nbl_gguf.measurement.torch_ppl import llama_tokens, prompt_text, torch_perplexity, write_heldout_text
+    from nbl_gguf.calibration.dataset import write_heldout_text
+    from nbl_gguf.measurement.torch_ppl import llama_tokens, prompt_text, torch_perplexity
 
     started = time.time()
     quants = [check_quant(q) for q in args.quant]

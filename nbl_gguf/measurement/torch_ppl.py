@@ -10,24 +10,11 @@ from pathlib import Path
 from typing import Sequence
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.measurement.perplexity import Perplexity
+from nbl_gguf.llamacpp.perplexity import Perplexity
 from nbl_gguf.measurement.tasks import _read_prompt
 
 
 # --- text ----------------------------------------------------------------------------------------
-
-def heldout_text() -> str:
-    """The held-out documents of the bundled C4 sample, blank-line separated (the default text)."""
-    from nbl_gguf.calibration.dataset import heldout_texts
-
-    return "\n\n".join(text.strip() for text in heldout_texts() if text.strip()) + "\n"
-
-
-def write_heldout_text(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.write_text(heldout_text(), encoding="utf-8")
-    return path
-
 
 def prompt_text(path: str | os.PathLike) -> str:
     """What llama-perplexity tokenizes for ``-f path`` (one trailing newline removed)."""

@@ -1,0 +1,233 @@
+"""Which layers to replace: local criteria, greedy joint selection, and `--m auto`.
+
+Local criteria rank the layers by a score of each one alone, from the one pass over the original
+model that also fits the maps: ``cosine`` (1 - cos between the residual stream before and after the
+attention: the attention-drop criterion), ``nmse`` (the fit's normalized error) and ``cca`` (the
+NBL paper's CCA bound). Measured on held-out text, cosine chooses best (docs/results/quality.md), so
+it is the default; cca stays selectable as the paper's.
+
+``greedy`` chooses by what the layers do together: it adds one layer at a time, the one whose
+replacement by its map gives the whole model the lowest loss on held-out calibration windows. The
+candidates of a step are the first layers not yet chosen of the cosine and the nmse rankings taken in
+turn: cosine finds layers whose attention does little, nmse those whose attention is close to linear
+however much it does. Each trial runs only the layers from the candidate on, over the kept inputs of
+that layer (calibration.layerwise).
+
+``--m auto`` walks a nested order (a local ranking, or greedy's picks) and keeps the longest prefix
+whose held-out perplexity increase over the unmodified model stays within the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from nbl_gguf.calibration.apply import apply_nbl
+from nbl_gguf.calibration.layerwise import LayerRunner
+from nbl_gguf.errors import NblError
+from nbl_gguf.models import decoder_layers, get_adapter
+
+DEFAULT_CANDIDATES = 5
+MIN_HELDOUT_TOKENS = 1024  # below this, differences between candidates are mostly noise
+
+
+def ppl_increase(loss: float, base_loss: float) -> float:
+    """Perplexity increase in percent of a mean NLL over the base model's."""
+    return 100.0 * (math.exp(loss - base_loss) - 1.0)
+
+
+@dataclass
+class SelectionTrace:
+    """Layers in the order they were added, with the held-out loss after each addition."""
+
+    criterion: str
+    base_loss: float
+    tokens: int
+    order: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    stopped: str = ""
+
+    @property
+    def increases(self) -> list[float]:
+        return [ppl_increase(loss, self.base_loss) for loss in self.losses]
+
+    def as_report(self) -> dict:
+        return {"criterion": self.criterion, "heldout_tokens": self.tokens, "base_ppl": math.exp(self.base_loss),
+                "order": list(self.order), "ppl": [math.exp(x) for x in self.losses],
+                "ppl_increase_pct": self.increases, "stopped": self.stopped}
+
+
+def replace(model, layer: int, layer_type: int, linear):
+    """Replace ``layer`` (apply_nbl) and return the function that puts the original modules back."""
+    adapter = get_adapter(model)
+    block = decoder_layers(model)[layer]
+    saved = {name: getattr(block, name) for name in (adapter.attn, adapter.attn_out_norm) if name}
+    apply_nbl(model, {layer: layer_type}, linear)
+
+    def restore():
+        for name, module in saved.items():
+            setattr(block, name, module)
+
+    return restore
+
+
+@contextmanager
+def replaced(model, layer: int, layer_type: int, linear):
+    """``layer`` replaced for the duration of the block, then restored."""
+    restore = replace(model, layer, layer_type, linear)
+    try:
+        yield
+    finally:
+        restore()
+
+
+class NestedEvaluator:
+    """Held-out loss of ``model`` as layers are replaced one at a time (the model is changed in place).
+
+    Keeps the input of every layer for every held-out window, so that trying or adding a layer costs
+    one pass through the layers from it on.
+    """
+
+    def __init__(self, model, heldout_ids, layer_type: int, linear, batch_size: int = 1,
+                 min_tokens: int = MIN_HELDOUT_TOKENS):
+        if heldout_ids.numel() < min_tokens:
+            raise NblError(f"the held-out slice for layer selection has {heldout_ids.numel()} tokens; "
+                           f"it needs at least {min_tokens} (more --selection-windows or a longer --seqlen)")
+        self.model = model
+        self.layer_type = layer_type
+        self.linear = linear
+        self.runner = LayerRunner(model, heldout_ids, batch_size)
+        self.base_loss, self.inputs = self.runner.run(keep_inputs=True)
+        self.tokens = int(heldout_ids.shape[0] * (heldout_ids.shape[1] - 1))
+        self.chosen: list[int] = []
+        self._restores: list = []
+        self._first_inputs = dict(self.inputs)
+        self._undo = None
+
+    def trial(self, layer: int) -> float:
+        """The loss with ``layer`` replaced too, leaving the model as it was."""
+        with replaced(self.model, layer, self.layer_type, self.linear):
+            return self.runner.loss(layer, self.inputs[layer])
+
+    def add(self, layer: int) -> float:
+        """Replace ``layer`` for good (until undo_last) and return the loss."""
+        restore = replace(self.model, layer, self.layer_type, self.linear)
+        try:
+            loss, inputs = self.runner.run(layer, self.inputs[layer], keep_inputs=True)
+        except BaseException:
+            restore()
+            raise
+        self._undo = (restore, dict(self.inputs))
+        self._restores.append(restore)
+        self.inputs.update(inputs)
+        self.chosen.append(layer)
+        return loss
+
+    def undo_last(self) -> None:
+        restore, self.inputs = self._undo
+        restore()
+        self._restores.pop()
+        self.chosen.pop()
+        self._undo = None
+
+    def set_loss(self, layers: list[int]) -> float:
+        """The loss with ``layers`` replaced on top of the chosen ones, leaving the model as it was."""
+        restores = [replace(self.model, layer, self.layer_type, self.linear) for layer in layers]
+        try:
+            first = min(layers)
+            return self.runner.loss(first, self.inputs[first])
+        finally:
+            for restore in reversed(restores):
+                restore()
+
+    def reset(self) -> None:
+        """Back to the unmodified model."""
+        for restore in reversed(self._restores):
+            restore()
+        self._restores.clear()
+        self.chosen.clear()
+        self.inputs = dict(self._first_inputs)
+        self._undo = None
+
+
+def _check_budget(m: int | None, budget: float | None, num_layers: int) -> int:
+    """The most layers to add: m, or (auto) all but one."""
+    if budget is not None and budget < 0:
+        raise NblError(f"--max-ppl-increase must be zero or positive, got {budget}")
+    if m is None:
+        if budget is None:
+            raise NblError("give --m, or --m auto with --max-ppl-increase")
+        return num_layers - 1
+    if not 0 <= m <= num_layers:
+        raise NblError(f"--m {m} is out of range: the model has {num_layers} layers")
+    return m
+
+
+def walk(evaluator: NestedEvaluator, ranking: list[int], criterion: str, m: int | None = None,
+         budget: float | None = None) -> SelectionTrace:
+    """Add layers in ``ranking`` order: m of them, or (m None) while the increase stays within ``budget``."""
+    limit = _check_budget(m, budget, len(ranking))
+    trace = SelectionTrace(criterion, evaluator.base_loss, evaluator.tokens)
+    for layer in ranking[:limit]:
+        loss = evaluator.add(layer)
+        if m is None and ppl_increase(loss, evaluator.base_loss) > budget:
+            evaluator.undo_last()
+            trace.stopped = (f"adding layer {layer} would raise the held-out perplexity by "
+                             f"{ppl_increase(loss, evaluator.base_loss):+.1f}%, over the budget of {budget:g}%")
+            break
+        trace.losses.append(loss)
+        trace.order.append(layer)
+    return trace
+
+
+def best_of(evaluator: NestedEvaluator, rankings: dict[str, list[int]], m: int | None = None,
+            budget: float | None = None) -> tuple[str, SelectionTrace, dict]:
+    """The local criterion whose choice is best on the held-out windows: at a fixed m the one whose m
+    layers cost least, with --m auto the one that fits the most layers in the budget (then the least
+    loss). Returns (criterion, its trace, {criterion: (layers, ppl increase %)} for every one)."""
+    compared, traces = {}, {}
+    for criterion, order in rankings.items():
+        if m is not None:
+            _check_budget(m, None, len(order))
+            trace = SelectionTrace(criterion, evaluator.base_loss, evaluator.tokens, order=list(order[:m]))
+            trace.losses = [evaluator.set_loss(trace.order)] if m else []
+        else:
+            trace = walk(evaluator, order, criterion, None, budget)
+            evaluator.reset()
+        traces[criterion] = trace
+        loss = trace.losses[-1] if trace.losses else evaluator.base_loss
+        compared[criterion] = (sorted(trace.order), ppl_increase(loss, evaluator.base_loss))
+    chosen = min(traces, key=lambda c: (-len(traces[c].order), compared[c][1], list(rankings).index(c)))
+    return chosen, traces[chosen], compared
+
+
+def interleave(rankings: list[list[int]]) -> list[int]:
+    """The rankings' layers taken in turn (first of each, then second of each, ...), each layer once."""
+    merged: list[int] = []
+    for tier in zip(*rankings):
+        merged.extend(layer for layer in tier if layer not in merged)
+    return merged
+
+
+def greedy(evaluator: NestedEvaluator, rankings: list[list[int]], m: int | None = None, budget: float | None = None,
+           candidates: int = DEFAULT_CANDIDATES) -> SelectionTrace:
+    """Greedy joint selection: each step adds the candidate (the first ``candidates`` layers not yet
+    chosen of the ``rankings`` taken in turn) whose replacement gives the lowest held-out loss."""
+    if candidates < 1:
+        raise NblError(f"--candidates must be at least 1, got {candidates}")
+    order = interleave(rankings)
+    limit = _check_budget(m, budget, len(order))
+    trace = SelectionTrace("greedy", evaluator.base_loss, evaluator.tokens)
+    while len(trace.order) < limit:
+        pool = [layer for layer in order if layer not in trace.order][:candidates]
+        losses = {layer: evaluator.trial(layer) for layer in pool}
+        best = min(pool, key=lambda layer: (losses[layer], layer))
+        if m is None and ppl_increase(losses[best], evaluator.base_loss) > budget:
+            trace.stopped = (f"the best next layer, {best}, would raise the held-out perplexity by "
+                             f"{ppl_increase(losses[best], evaluator.base_loss):+.1f}%, over the budget of {budget:g}%")
+            break
+        evaluator.add(best)
+        trace.order.append(best)
+        trace.losses.append(losses[best])
+    return trace

@@ -1,0 +1,333 @@
+"""Layer selection on tiny models (CPU, seconds): the layer runner against the plain forward, greedy
+joint selection against exhaustive search on a model whose best layers are known by construction,
+and --m auto against its budget."""
+
+import argparse
+import copy
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
+from nbl_gguf.calibration import calibrate
+from nbl_gguf.calibration import select as selection
+from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, apply_nbl
+from nbl_gguf.calibration.artifact import load_artifact
+from nbl_gguf.calibration.calibrate import collect_statistics, solve_all
+from nbl_gguf.calibration.layerwise import LayerRunner
+from nbl_gguf.calibration.solve import ranking
+from nbl_gguf.errors import NblError
+from nbl_gguf.models import decoder_layers, get_adapter
+
+VOCAB = 97
+
+
+def reference_loss(model, ids) -> float:
+    """Mean next-token NLL over all positions by the model's own forward (the independent reference)."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))
+
+
+def family_model(family: str, layers: int = 4, seed: int = 0):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    if family == "llama":
+        return tiny_model(layers=layers, vocab=VOCAB, seed=seed)
+    torch.manual_seed(seed)
+    if family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:  # gemma2: scaled embeddings, a norm after the attention, sliding windows, logit soft-capping
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, head_dim=8, sliding_window=8))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    model.config.use_cache = False
+    return model.eval()
+
+
+def windows(count=3, length=24, seed=1):
+    return torch.randint(3, VOCAB, (count, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_layer_runner_matches_the_forward(family):
+    model, ids = family_model(family), windows()
+    runner = LayerRunner(model, ids, batch_size=2)
+    base = reference_loss(model, ids)
+    assert runner.loss() == pytest.approx(base, rel=1e-5)
+    inputs = runner.layer_inputs(0)
+    assert sorted(inputs) == list(range(runner.num_layers))
+    # the kept input of layer k is what the forward hands layer k ...
+    seen = {}
+
+    def keep(module, args, kwargs, k):
+        seen[k] = (args[0] if args else kwargs["hidden_states"]).clone()
+
+    handles = [layer.register_forward_pre_hook(lambda m, a, kw, k=k: keep(m, a, kw, k), with_kwargs=True)
+               for k, layer in enumerate(decoder_layers(model))]
+    with torch.no_grad():
+        model(input_ids=ids[:1], use_cache=False)
+    for handle in handles:
+        handle.remove()
+    for k in seen:
+        torch.testing.assert_close(inputs[k][:1], seen[k], rtol=1e-5, atol=1e-5)
+    # ... and resuming from any layer on it gives the whole model's loss
+    for k in range(runner.num_layers):
+        assert runner.loss(k, inputs[k]) == pytest.approx(base, rel=1e-5)
+
+
+def random_maps(model, seed=0):
+    d = model.config.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    return {i: (0.1 * torch.randn(d, d, generator=g).numpy(), 0.1 * torch.randn(d, generator=g).numpy())
+            for i in range(len(decoder_layers(model)))}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_trials_equal_the_replaced_model_and_leave_the_model_as_it_was(family):
+    model, ids = family_model(family), windows()
+    maps = random_maps(model)
+    before = {name: module for name, module in model.named_modules()}
+    evaluator = selection.NestedEvaluator(model, ids, ATTN_LINEAR, maps, min_tokens=0)
+    assert evaluator.trial(2) == pytest.approx(reference_loss(apply_nbl(copy.deepcopy(model), {2: 1}, maps), ids), rel=1e-5)
+    assert {name: module for name, module in model.named_modules()} == before
+    evaluator.add(1)
+    both = apply_nbl(copy.deepcopy(family_model(family)), {1: 1, 3: 1}, maps)
+    assert evaluator.trial(3) == pytest.approx(reference_loss(both, ids), rel=1e-5)
+
+
+# --- a model whose best layers are known by construction ----------------------------------------------
+
+def constructed_qwen2(layers=5, linear=(1, 3), seed=0):
+    """Qwen2 where the attention of ``linear`` layers is exactly linear in its input and large, and the
+    other layers' attention is small but mixes tokens; the head is sharpened so that every change of
+    the last hidden state shows in the loss.
+
+    With W_q = W_k = 0 and equal large q/k biases, q_t . k_s = |b|^2 sum_i cos((t - s) theta_i) peaks
+    sharply at s = t: every head attends to its own token only, so the attention output is
+    W_o (W_v x + b_v), which the NBL map reproduces exactly. Scaling W_o up makes these layers turn
+    the residual stream most, so the cosine criterion ranks them last.
+    """
+    model = family_model("qwen2", layers=layers, seed=seed)
+    with torch.no_grad():
+        for index, layer in enumerate(decoder_layers(model)):
+            attn = layer.self_attn
+            if index in linear:
+                attn.q_proj.weight.zero_()
+                attn.k_proj.weight.zero_()
+                attn.q_proj.bias.fill_(30.0)
+                attn.k_proj.bias.fill_(30.0)
+                attn.o_proj.weight.mul_(6.0)
+            else:
+                attn.q_proj.weight.mul_(2.0)
+                attn.k_proj.weight.mul_(2.0)
+        model.lm_head.weight.mul_(10.0)
+    return model
+
+
+def continuations(model, count, length, seed):
+    """The model's own greedy continuations of random 4-token prompts: text it predicts confidently."""
+    ids = torch.randint(3, VOCAB, (count, 4), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        while ids.shape[1] < length:
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+def fitted_maps(model, ids):
+    attn, _, cosine, _ = collect_statistics(model, get_adapter(model), ids, 4, "cpu", "cpu", progress=False,
+                                            targets=("attn",))
+    fits = [fa for fa, _ in solve_all(attn, [], progress=False)]
+    maps = {i: (f.weight.float().numpy(), f.bias.float().numpy()) for i, f in enumerate(fits)}
+    return maps, cosine, [f.nmse for f in fits]
+
+
+@pytest.fixture(scope="module")
+def constructed():
+    model = constructed_qwen2()
+    maps, cosine, nmse = fitted_maps(model, continuations(model, 24, 32, seed=1))
+    heldout = continuations(model, 16, 32, seed=2)
+    base = reference_loss(model, heldout)
+
+    def loss_of(layers):
+        return reference_loss(apply_nbl(copy.deepcopy(model), {i: ATTN_LINEAR for i in layers}, maps), heldout)
+
+    return model, maps, cosine, nmse, heldout, base, loss_of
+
+
+def evaluator_for(constructed):
+    model, maps, _, _, heldout, _, _ = constructed
+    return selection.NestedEvaluator(copy.deepcopy(model), heldout, ATTN_LINEAR, maps, min_tokens=0)
+
+
+def test_greedy_finds_the_set_that_exhaustive_search_finds_and_local_criteria_miss(constructed):
+    model, maps, cosine, nmse, heldout, base, loss_of = constructed
+    assert max(nmse[1], nmse[3]) < 1e-6  # the construction: those two attentions are exactly linear
+    assert loss_of((1, 3)) == pytest.approx(base, abs=1e-5)
+    # the reference: every pair of layers, each model evaluated by its own forward
+    losses = {pair: loss_of(pair) for pair in itertools.combinations(range(5), 2)}
+    best = min(losses.values())
+    trace = selection.greedy(evaluator_for(constructed), [ranking(cosine), ranking(nmse)], m=2, candidates=5)
+    assert losses[tuple(sorted(trace.order))] == pytest.approx(best, abs=1e-6)
+    assert trace.losses[-1] == pytest.approx(best, rel=1e-5)
+    assert trace.increases[-1] == pytest.approx(100 * (math.exp(best - base) - 1), abs=1e-4)
+    for local in (cosine, nmse):
+        assert losses[tuple(sorted(ranking(local)[:2]))] > best + 1e-3
+
+
+def test_greedy_step_one_is_the_best_single_layer(constructed):
+    model, maps, cosine, nmse, heldout, base, loss_of = constructed
+    singles = {layer: loss_of((layer,)) for layer in range(5)}
+    trace = selection.greedy(evaluator_for(constructed), [ranking(cosine), ranking(nmse)], m=1, candidates=5)
+    assert trace.order == [min(singles, key=singles.get)]
+    # with fewer candidates, only the first of the two rankings in turn are tried
+    pool = selection.interleave([ranking(cosine), ranking(nmse)])[:2]
+    trace = selection.greedy(evaluator_for(constructed), [ranking(cosine), ranking(nmse)], m=1, candidates=2)
+    assert trace.order == [min(pool, key=singles.get)]
+
+
+# --- --m auto ------------------------------------------------------------------------------------------
+
+def prefix_increases(constructed, order):
+    """The reference: each prefix of ``order`` replaced, its increase by the model's own forward."""
+    _, _, _, _, _, base, loss_of = constructed
+    return [0.0] + [100 * (math.exp(loss_of(order[:m]) - base) - 1) for m in range(1, len(order))]
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.5, 2.0, 5.0, 20.0, 1e6])
+def test_auto_m_keeps_the_longest_prefix_within_the_budget(constructed, budget):
+    order = ranking(constructed[2])
+    increases = prefix_increases(constructed, order)
+    trace = selection.walk(evaluator_for(constructed), order, "cosine", budget=budget)
+    m = len(trace.order)
+    assert m == next((k - 1 for k in range(1, len(increases)) if increases[k] > budget), len(increases) - 1)
+    assert trace.order == order[:m]
+    for got, want in zip(trace.increases, increases[1:]):
+        assert got == pytest.approx(want, abs=1e-4)
+    if m < len(increases) - 1:
+        assert f"adding layer {order[m]} would raise" in trace.stopped
+
+
+def test_auto_m_is_monotone_in_the_budget_and_answers_0_when_nothing_fits(constructed):
+    # most harmful first, so that the first step already costs something
+    singles = {layer: constructed[6]((layer,)) for layer in range(5)}
+    order = sorted(singles, key=singles.get, reverse=True)
+    first = prefix_increases(constructed, order)[1]
+    assert first > 1.0
+    chosen = [len(selection.walk(evaluator_for(constructed), order, "cosine", budget=b).order)
+              for b in (0.0, first / 2, first * 1.001, 10 * first, 1e6)]
+    assert chosen == sorted(chosen) and chosen[0] == chosen[1] == 0 and chosen[2] >= 1
+    evaluator = evaluator_for(constructed)
+    trace = selection.walk(evaluator, order, "cosine", budget=first / 2)
+    assert trace.order == [] and f"adding layer {order[0]} would raise the held-out perplexity by +{first:.1f}%" in trace.stopped
+    # the step over the budget was undone: the model is the original again
+    assert reference_loss(evaluator.model, constructed[4]) == pytest.approx(constructed[5], rel=1e-6)
+
+
+def test_best_of_picks_the_criterion_whose_set_costs_least(constructed):
+    model, maps, cosine, nmse, heldout, base, loss_of = constructed
+    cca = list(reversed(ranking(cosine)))  # a third ranking: cosine's worst first
+    rankings = {"cca": cca, "nmse": ranking(nmse), "cosine": ranking(cosine)}
+    evaluator = evaluator_for(constructed)
+    chosen, trace, compared = selection.best_of(evaluator, rankings, m=2)
+    reference = {c: loss_of(tuple(sorted(order[:2]))) for c, order in rankings.items()}
+    assert chosen == min(reference, key=reference.get)
+    assert trace.order == rankings[chosen][:2]
+    for c, (layers, inc) in compared.items():
+        assert layers == sorted(rankings[c][:2])
+        assert inc == pytest.approx(100 * (math.exp(reference[c] - base) - 1), abs=1e-4)
+    assert reference_loss(evaluator.model, heldout) == pytest.approx(base, rel=1e-6)  # left as it was
+    # with --m auto: the criterion that fits the most layers in the budget (each walked from the start)
+    budget = 1.0
+    chosen, trace, compared = selection.best_of(evaluator_for(constructed), rankings, budget=budget)
+    fits = {c: next((k - 1 for k, inc in enumerate(prefix_increases(constructed, order)) if inc > budget), 4)
+            for c, order in rankings.items()}
+    assert len(trace.order) == max(fits.values()) == fits[chosen]
+    assert {c: len(layers) for c, (layers, _) in compared.items()} == fits
+
+
+def test_selection_bad_input(constructed):
+    model, maps, cosine, _, heldout, _, _ = constructed
+    with pytest.raises(NblError, match="--max-ppl-increase must be zero or positive, got -1"):
+        selection.walk(evaluator_for(constructed), ranking(cosine), "cosine", budget=-1.0)
+    with pytest.raises(NblError, match="--candidates must be at least 1"):
+        selection.greedy(evaluator_for(constructed), [ranking(cosine)], m=1, candidates=0)
+    with pytest.raises(NblError, match="held-out slice for layer selection has 64 tokens; it needs at least 1024"):
+        selection.NestedEvaluator(model, heldout[:2], ATTN_LINEAR, maps)
+
+
+# --- the calibrate command ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("select")
+    texts = sample_texts(120, 60)
+    tokenizer = word_tokenizer(texts)
+    tiny_model(layers=4, vocab=len(tokenizer)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return root
+
+
+def run_calibrate(checkpoint, *argv):
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    args = ["--model", checkpoint / "model", "--dataset", checkpoint / "data.jsonl", "--seqlen", 64,
+            "--targets", "attn", *argv]
+    return calibrate.run(parser.parse_args([str(a) for a in args]))
+
+
+def test_calibrate_defaults_to_best_and_records_auto_and_greedy(checkpoint, capsys):
+    out = checkpoint / "auto"
+    assert run_calibrate(checkpoint, "--nsamples", 8, "--m", "auto", "--max-ppl-increase", 3,
+                         "--selection-windows", 20, "-o", out) == 0
+    art = load_artifact(out)
+    chosen = art.report["selection"]
+    assert chosen["criterion"] == "best" and chosen["max_ppl_increase"] == 3
+    assert art.report["data"]["nsamples"] == 8 and art.report["data"]["selection_windows"] == 20
+    heldout = chosen["heldout"]
+    compared = heldout["compared"]
+    assert set(compared) == {"cca", "nmse", "cosine"} and chosen["chosen"] in compared
+    # best = the criterion that fits the most layers in the budget, then the least loss
+    most = max(len(v["layers"]) for v in compared.values())
+    assert len(compared[chosen["chosen"]]["layers"]) == most == chosen["m"]
+    assert heldout["heldout_tokens"] == 20 * 63 and chosen["m"] == len(heldout["order"]) == len(chosen["layers"])
+    assert all(inc <= 3 for inc in heldout["ppl_increase_pct"])
+    assert heldout["order"] == ranking(art.scores(chosen["chosen"]))[:chosen["m"]]
+    assert art.select() == sorted(heldout["order"])
+    printed = capsys.readouterr().out
+    assert f"--m auto: m = {chosen['m']} within +3%" in printed and f"-> {chosen['chosen']}" in printed
+
+    out = checkpoint / "greedy"
+    assert run_calibrate(checkpoint, "--nsamples", 8, "--m", 2, "--criterion", "greedy", "--method", "attn-drop",
+                         "--selection-windows", 20, "--candidates", 4, "-o", out) == 0
+    art = load_artifact(out)
+    order = art.report["selection"]["heldout"]["order"]
+    assert len(order) == 2 and art.select() == sorted(order) and art.select(1) == order[:1]
+    assert art.layer_types().count(ATTN_DROP) == 2
+    with pytest.raises(NblError, match="goes to m = 2, not 3: calibrate again with --criterion greedy --m 3"):
+        art.select(3)
+    with pytest.raises(NblError, match="was made for attn-drop, not attn-nbl"):
+        art.select(2, "greedy", "attn-nbl")
+    with pytest.raises(NblError, match="made no greedy selection"):
+        load_artifact(checkpoint / "auto").select(2, "greedy")
+
+
+def test_calibrate_selection_errors(checkpoint):
+    with pytest.raises(NblError, match="--max-ppl-increase goes with --m auto"):
+        run_calibrate(checkpoint, "--m", 2, "--max-ppl-increase", 5)
+    with pytest.raises(NblError, match="--max-ppl-increase must be zero or positive, got -2"):
+        run_calibrate(checkpoint, "--nsamples", 8, "--m", "auto", "--max-ppl-increase", -2, "--selection-windows", 20,
+                      "-o", checkpoint / "x")
+    with pytest.raises(NblError, match="too few to hold out --selection-windows 500"):
+        run_calibrate(checkpoint, "--m", "auto", "--selection-windows", 500, "-o", checkpoint / "x")
+    with pytest.raises(NblError, match="held-out slice for layer selection has 128 tokens"):
+        run_calibrate(checkpoint, "--nsamples", 8, "--m", "auto", "--selection-windows", 2, "-o", checkpoint / "x")
+    assert not (checkpoint / "x").exists()
