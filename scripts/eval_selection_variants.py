@@ -14,6 +14,8 @@ per (variant, m) in --out. Experiments (--exp, comma-separated):
           the lowest-nmse layers)
   nblcos  one-pass per-token criteria that know the map: 1 - cos(h + y, h + yhat), |y - yhat|^2/|h + y|^2
   wfit    weighted LMMSE: tokens weighted by 1/|h + y|^2 (rel), 1/|h|^2 (relx), or position 0 left out (nopos1)
+  shrink  cosine layers, W shrunk towards 0: C_YX (C_XX + lam tr(C_XX)/d I)^-1, lam 0.01 and 0.1
+  rawx    the reference code's X: the raw residual h (the layer's norm removed), y = W h + b
   conv    past-token inputs: the map also reads the previous --taps - 1 tokens' attention inputs (a short
           causal convolution; needs a decode state in llama.cpp, so it is measured here, not built)
 
@@ -411,3 +413,54 @@ if "conv" in exps:
         print(json.dumps(rec), flush=True)
         out.write(json.dumps(rec) + "\n")
         out.flush()
+
+if "shrink" in exps or "rawx" in exps:
+    # moments of the cosine layers: (norm(h), y) and (h, y)
+    chosen = cos_order[:MMAX]
+    acc_n = {k: MomentAccumulator(d, d, "cpu", f"n {k}") for k in chosen}
+    acc_h = {k: MomentAccumulator(d, d, "cpu", f"h {k}") for k in chosen}
+    r = Runner(model)
+    for k in chosen:
+        def both(h, x, y, k=k):
+            acc_n[k].update(x, y)
+            acc_h[k].update(h, y)
+        r.run_layer(k, Hs_fit[k], both)
+
+    def ridge_map(mom, lam):
+        """W = C_YX (C_XX + lam tr(C_XX)/d I)^-1 (shrinkage towards 0), b = E[Y] - W E[X]."""
+        cxx = mom.cxx + lam * torch.trace(mom.cxx) / mom.cxx.shape[0] * torch.eye(mom.cxx.shape[0], dtype=mom.cxx.dtype)
+        w = torch.linalg.solve(cxx, mom.cyx.T).T
+        return w.float().numpy(), (mom.mean_y - w @ mom.mean_x).float().numpy()
+
+    if "shrink" in exps:
+        moms = {k: acc_n[k].moments() for k in chosen}
+        for lam in (0.01, 0.1):
+            for m in MS:
+                record(f"shrink{lam}/cosine", m, cos_order[:m], {k: ridge_map(moms[k], lam) for k in cos_order[:m]})
+
+    if "rawx" in exps:
+        # the reference code's X: the raw residual h (the layer's norm removed), y = W h + b
+        class RawResidualMap(nn.Module):
+            def __init__(self, w, b):
+                super().__init__()
+                self.w, self.b, self.h = torch.as_tensor(w), torch.as_tensor(b), None
+
+            def forward(self, hidden_states, *a, **kw):
+                return torch.nn.functional.linear(self.h.float(), self.w, self.b).to(hidden_states.dtype), None
+
+        raw = {k: ridge_map(acc_h[k].moments(), 0.0) for k in chosen}
+        for m in MS:
+            mdl = copy.deepcopy(model)
+            for k in cos_order[:m]:
+                layer = models.decoder_layers(mdl)[k]
+                module = RawResidualMap(*raw[k])
+                setattr(layer, adapter.attn, module)
+                layer.register_forward_pre_hook(
+                    lambda mod, args, kwargs, module=module: setattr(module, "h", args[0] if args else kwargs["hidden_states"]),
+                    with_kwargs=True)
+            h = nll(mdl, held_ids)
+            rec = {"model": loaded.name, "variant": "rawx/cosine", "m": m, "layers": sorted(cos_order[:m]),
+                   "ppl": math.exp(h), "base_ppl": math.exp(base_nll), "increase_pct": 100 * (math.exp(h - base_nll) - 1)}
+            print(json.dumps(rec), flush=True)
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
