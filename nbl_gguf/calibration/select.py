@@ -20,7 +20,6 @@ whose held-out perplexity increase over the unmodified model stays within the bu
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nbl_gguf.calibration.apply import apply_nbl
@@ -72,16 +71,6 @@ def replace(model, layer: int, layer_type: int, linear):
     return restore
 
 
-@contextmanager
-def replaced(model, layer: int, layer_type: int, linear):
-    """``layer`` replaced for the duration of the block, then restored."""
-    restore = replace(model, layer, layer_type, linear)
-    try:
-        yield
-    finally:
-        restore()
-
-
 class NestedEvaluator:
     """Held-out loss of ``model`` as layers are replaced one at a time (the model is changed in place).
 
@@ -101,37 +90,11 @@ class NestedEvaluator:
         self.base_loss, self.inputs = self.runner.run(keep_inputs=True)
         self.tokens = int(heldout_ids.shape[0] * (heldout_ids.shape[1] - 1))
         self.chosen: list[int] = []
-        self._restores: list = []
+        self._restores: list = []  # one per chosen layer
         self._first_inputs = dict(self.inputs)
-        self._undo = None
+        self._inputs_before_last: dict | None = None
 
-    def trial(self, layer: int) -> float:
-        """The loss with ``layer`` replaced too, leaving the model as it was."""
-        with replaced(self.model, layer, self.layer_type, self.linear):
-            return self.runner.loss(layer, self.inputs[layer])
-
-    def add(self, layer: int) -> float:
-        """Replace ``layer`` for good (until undo_last) and return the loss."""
-        restore = replace(self.model, layer, self.layer_type, self.linear)
-        try:
-            loss, inputs = self.runner.run(layer, self.inputs[layer], keep_inputs=True)
-        except BaseException:
-            restore()
-            raise
-        self._undo = (restore, dict(self.inputs))
-        self._restores.append(restore)
-        self.inputs.update(inputs)
-        self.chosen.append(layer)
-        return loss
-
-    def undo_last(self) -> None:
-        restore, self.inputs = self._undo
-        restore()
-        self._restores.pop()
-        self.chosen.pop()
-        self._undo = None
-
-    def set_loss(self, layers: list[int]) -> float:
+    def trial(self, *layers: int) -> float:
         """The loss with ``layers`` replaced on top of the chosen ones, leaving the model as it was."""
         restores = [replace(self.model, layer, self.layer_type, self.linear) for layer in layers]
         try:
@@ -141,6 +104,26 @@ class NestedEvaluator:
             for restore in reversed(restores):
                 restore()
 
+    def add(self, layer: int) -> float:
+        """Replace ``layer`` for good (until undo_last) and return the loss."""
+        restore = replace(self.model, layer, self.layer_type, self.linear)
+        try:
+            loss, inputs = self.runner.run(layer, self.inputs[layer], keep_inputs=True)
+        except BaseException:
+            restore()
+            raise
+        self._inputs_before_last = dict(self.inputs)
+        self._restores.append(restore)
+        self.inputs.update(inputs)
+        self.chosen.append(layer)
+        return loss
+
+    def undo_last(self) -> None:
+        """Take back the last add (once)."""
+        self._restores.pop()()
+        self.chosen.pop()
+        self.inputs, self._inputs_before_last = self._inputs_before_last, None
+
     def reset(self) -> None:
         """Back to the unmodified model."""
         for restore in reversed(self._restores):
@@ -148,7 +131,7 @@ class NestedEvaluator:
         self._restores.clear()
         self.chosen.clear()
         self.inputs = dict(self._first_inputs)
-        self._undo = None
+        self._inputs_before_last = None
 
 
 def _check_budget(m: int | None, budget: float | None, num_layers: int) -> int:
@@ -191,7 +174,7 @@ def best_of(evaluator: NestedEvaluator, rankings: dict[str, list[int]], m: int |
         if m is not None:
             _check_budget(m, None, len(order))
             trace = SelectionTrace(criterion, evaluator.base_loss, evaluator.tokens, order=list(order[:m]))
-            trace.losses = [evaluator.set_loss(trace.order)] if m else []
+            trace.losses = [evaluator.trial(*trace.order)] if m else []
         else:
             trace = walk(evaluator, order, criterion, None, budget)
             evaluator.reset()
