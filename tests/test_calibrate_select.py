@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import transformers
 
 from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
 from nbl_gguf.calibration import calibrate
@@ -193,6 +194,101 @@ def test_greedy_step_one_is_the_best_single_layer(constructed):
     assert trace.order == [min(pool, key=singles.get)]
 
 
+# --- layers that are harmless alone and harmful together ---------------------------------------------
+
+TEXT_START = 0  # the first token of every text; the copy heads read nothing of it
+
+
+def looking_back(offset, head_dim=8, base=10000.0, size=30.0):
+    """(q bias, k bias) of a head without q/k weights that attends ``offset`` tokens back: under RoPE,
+    q_t . k_s = sum_i |b_i|^2 cos((s - t + offset) theta_i) when k is q rotated by offset * theta_i."""
+    q = torch.full((head_dim,), size)
+    k = q.clone()
+    half = head_dim // 2
+    for i in range(half):
+        angle = offset * base ** (-2 * i / head_dim)
+        k[i] = q[i] * math.cos(angle) - q[i + half] * math.sin(angle)
+        k[i + half] = q[i + half] * math.cos(angle) + q[i] * math.sin(angle)
+    return q, k
+
+
+def redundant_copies_qwen2(vocab=17, seed=0):
+    """Qwen2 of 4 layers (d 48, 6 heads of 8) over texts in which token t+1 = perm[token t-1].
+
+    Coordinates: E (0-11) the embeddings, L (12-17) the linear part of every attention (a head that
+    attends to its own token), S (18-25) the previous token, which the LM head alone reads, J (26-47) junk
+    that nothing reads. Layers 1 and 3 are copies: one head of each writes the previous token into S, the
+    same way. Either copy is enough (the logits' margin is large), so each alone is harmless to replace,
+    and both together lose the previous token and with it every prediction. Their outputs are small and
+    mostly linear, so cosine and nmse rank them first. Layers 0 and 2 write large, nonlinear junk (the
+    token 2 and 4 back) into J: local criteria rank them last, and replacing them costs nothing.
+    """
+    E, L, S, J = slice(0, 12), slice(12, 18), slice(18, 26), slice(26, 48)
+    copies, junk_back = (1, 3), {0: 2, 2: 4}
+    g = torch.Generator().manual_seed(seed)
+    config = transformers.Qwen2Config(vocab_size=vocab, hidden_size=48, intermediate_size=8, num_hidden_layers=4,
+                                      num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    v_copy, o_copy = torch.randn(8, 12, generator=g), torch.randn(8, 8, generator=g)
+    # embeddings that the copy heads turn into the +-axes of S (then the head tells tokens apart widely)
+    copy_map = o_copy @ v_copy
+    axes = torch.cat([torch.eye(8), -torch.eye(8)])[: vocab - 1]
+    embeddings = torch.randn(vocab, 12, generator=g)
+    embeddings -= embeddings @ (torch.linalg.pinv(copy_map) @ copy_map).T
+    embeddings[1:] += 4 * axes @ torch.linalg.pinv(copy_map).T
+    embeddings[TEXT_START] *= 3
+    perm = torch.cat([torch.tensor([TEXT_START]), 1 + torch.randperm(vocab - 1, generator=g)])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0) if "norm" in name else param.zero_()
+        model.model.embed_tokens.weight[:, E] = 3 * embeddings
+        for index, layer in enumerate(decoder_layers(model)):
+            heads = [(0, 0, L, torch.randn(8, 12, generator=g), 0.1 * torch.randn(6, 8, generator=g))]
+            if index in copies:
+                heads.append((1, 1, S, v_copy, 0.1 * o_copy))
+            else:
+                heads += [(h, junk_back[index], J, torch.randn(8, 12, generator=g), 0.08 * torch.randn(22, 8, generator=g))
+                          for h in range(1, 6)]
+            attn = layer.self_attn
+            for head, back, rows, v, o in heads:
+                cols = slice(8 * head, 8 * head + 8)
+                attn.q_proj.bias[cols], attn.k_proj.bias[cols] = looking_back(back)
+                attn.v_proj.weight[cols, E] = v
+                attn.o_proj.weight[rows, cols] = o
+        model.lm_head.weight[perm[1:], S] = 100 * axes
+    model.config.use_cache = False
+    return model, perm
+
+
+def permutation_texts(perm, count, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.full((count, 1), TEXT_START), torch.randint(1, len(perm), (count, 2), generator=g)], 1)
+    while ids.shape[1] < length:
+        ids = torch.cat([ids, perm[ids[:, -2]][:, None]], 1)
+    return ids
+
+
+def test_greedy_avoids_layers_that_are_harmless_alone_and_harmful_together():
+    model, perm = redundant_copies_qwen2()
+    maps, cosine, nmse = fitted_maps(model, permutation_texts(perm, 128, 32, seed=1))
+    heldout = permutation_texts(perm, 16, 32, seed=2)
+    base = reference_loss(model, heldout)
+    losses = {pair: reference_loss(apply_nbl(copy.deepcopy(model), {i: ATTN_LINEAR for i in pair}, maps), heldout)
+              - base for pair in itertools.combinations(range(4), 2)}
+    singles = {layer: reference_loss(apply_nbl(copy.deepcopy(model), {layer: ATTN_LINEAR}, maps), heldout) - base
+               for layer in range(4)}
+    # the construction: each copy alone costs little, both together lose every prediction
+    assert max(singles[1], singles[3]) < 0.05 and losses[(1, 3)] > 2.0
+    best = min(losses.values())
+    for local in (cosine, nmse):
+        assert sorted(ranking(local)[:2]) == [1, 3]  # each copy looks harmless alone
+    trace = selection.greedy(selection.NestedEvaluator(copy.deepcopy(model), heldout, ATTN_LINEAR, maps, min_tokens=0),
+                             [ranking(cosine), ranking(nmse)], m=2, candidates=4)
+    assert losses[tuple(sorted(trace.order))] == pytest.approx(best, abs=1e-3)
+    assert losses[(1, 3)] > best + 2.0
+
+
 # --- --m auto ------------------------------------------------------------------------------------------
 
 def prefix_increases(constructed, order):
@@ -331,3 +427,25 @@ def test_calibrate_selection_errors(checkpoint):
     with pytest.raises(NblError, match="held-out slice for layer selection has 128 tokens"):
         run_calibrate(checkpoint, "--nsamples", 8, "--m", "auto", "--selection-windows", 2, "-o", checkpoint / "x")
     assert not (checkpoint / "x").exists()
+
+
+def test_sweep_best_rows_repeat_the_choice_of_calibrate(checkpoint, tmp_path):
+    from nbl_gguf.measurement import sweep
+
+    out = checkpoint / "best-m2"
+    assert run_calibrate(checkpoint, "--nsamples", 8, "--m", 2, "--selection-windows", 20, "-o", out) == 0
+    art = load_artifact(out)
+    recorded = art.report["selection"]
+    choices = sweep.best_choices(art, checkpoint / "model", ["attn-nbl", "block-nbl"], [2],
+                                 sweep.Cache(tmp_path / "results.json", fresh=True), "tag")
+    assert choices == {("attn-nbl", 2): recorded["chosen"]}  # block NBL has no held-out selection
+    cached = json.loads((tmp_path / "results.json").read_text())["best|tag|attn-nbl|m2"]["compared"]
+    for criterion, entry in recorded["heldout"]["compared"].items():
+        assert cached[criterion][0] == entry["layers"]
+        assert cached[criterion][1] == pytest.approx(entry["ppl_increase_pct"], abs=1e-6)
+    args = argparse.Namespace(criterion="best", m=[2], methods=["attn-nbl"], extra_criteria=[], criteria_m=0)
+    main, _ = sweep.build_configs(art, args, art.num_layers, choices)
+    labels = [config.label for config in main]
+    chosen = recorded["chosen"]
+    assert labels[1] == f"Attn NBL-2 (best: {chosen} layers)" and main[1].layers == recorded["layers"]
+    assert sorted(labels[2:]) == sorted(f"Attn NBL-2 ({c} layers)" for c in ("cca", "nmse", "cosine") if c != chosen)

@@ -23,7 +23,7 @@ from pathlib import Path
 from nbl_gguf.errors import NblError
 from nbl_gguf.measurement.perplexity import DEFAULT_CTX, evaluate
 from nbl_gguf.measurement.tasks import TASKS, _task_files, check_text
-from nbl_gguf.calibration.artifact import CRITERIA, LOCAL_DEFAULT
+from nbl_gguf.calibration.artifact import CRITERIA, DEFAULT_CRITERION
 from nbl_gguf.calibration.dataset import write_heldout_text
 
 
@@ -61,8 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--quant", nargs="+", default=["q8_0", "q4_k_m"], help="GGUF types (default: q8_0 q4_k_m)")
     sweep.add_argument("--methods", nargs="+", default=["attn-nbl", "attn-drop", "block-nbl"],
                        choices=["attn-nbl", "attn-drop", "block-nbl"], help="methods (default: all three)")
-    sweep.add_argument("--criterion", default=LOCAL_DEFAULT, choices=CRITERIA,
-                       help=f"layer selection of the main sweep (default: {LOCAL_DEFAULT})")
+    sweep.add_argument("--criterion", default=DEFAULT_CRITERION, choices=("best",) + CRITERIA,
+                       help="layer selection of the main sweep: best (the default of calibrate and convert: for each "
+                            "m, the criterion whose layers cost least on held-out calibration windows; every "
+                            "criterion then gets its rows) or one local criterion")
     sweep.add_argument("--extra-criteria", nargs="*", default=["cca", "nmse"], choices=CRITERIA,
                        help="also run Attn NBL-m and Attn DROP-m with these criteria's layers (default: cca, the NBL "
                             "paper's, and nmse; give none for no extra rows)")

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from nbl_gguf.calibration.artifact import CRITERIA
+from nbl_gguf.calibration.artifact import CRITERIA, LOCAL_DEFAULT
 from nbl_gguf.errors import NblError
 from nbl_gguf.measurement.sweep_report import METHOD_LABELS, collect_rows, plot, write_csv, write_markdown
 
@@ -31,6 +31,7 @@ class Config:
     criterion: str
     layers: list[int] = field(default_factory=list)
     variant: str = ""  # set when the selection differs from the sweep's main criterion
+    chosen_by: str = ""  # "best" when the held-out windows chose this criterion's layers for the main rows
 
     @property
     def series(self) -> str:
@@ -44,7 +45,8 @@ class Config:
     def label(self) -> str:
         if self.method == "baseline":
             return "Baseline"
-        return f"{METHOD_LABELS[self.method]}-{self.m}" + (f" ({self.variant})" if self.variant else "")
+        note = self.variant or (f"{self.chosen_by}: {self.criterion} layers" if self.chosen_by else "")
+        return f"{METHOD_LABELS[self.method]}-{self.m}" + (f" ({note})" if note else "")
 
     @property
     def gguf(self) -> bool:
@@ -116,21 +118,67 @@ def get_calibration(args, model_dir: Path, work: Path):
     return load_artifact(calibrate_into(target, model_dir, ns))
 
 
+def best_choices(artifact, model_dir: Path, methods: list[str], ms: list[int], cache, calib_tag: str) -> dict:
+    """What `--criterion best` picks at each (method, m): the local criterion whose m layers cost the model
+    least on held-out calibration windows: the windows calibrate held out after the artifact's fit windows
+    (as many as it did, or the default 8k tokens' worth when it held none out; calibration.select.best_of)."""
+    methods = [method for method in methods if method in ("attn-nbl", "attn-drop")]
+    keys = {(method, m): f"best|{calib_tag}|{method}|m{m}" for method in methods for m in ms}
+    if all(cache.get(key) for key in keys.values()):
+        return {pair: cache.get(key)["chosen"] for pair, key in keys.items()}
+    import torch
+
+    from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
+    from nbl_gguf.calibration.calibrate import DEFAULT_SELECTION_TOKENS
+    from nbl_gguf.calibration.dataset import load_calibration
+    from nbl_gguf.calibration.select import NestedEvaluator, best_of
+    from nbl_gguf.calibration.solve import ranking
+    from nbl_gguf.models import load_model, max_context
+
+    data = artifact.report["data"]
+    seqlen, fit_windows = int(data["seqlen"]), int(data["nsamples"])
+    held = int(data.get("selection_windows") or 0) or -(-DEFAULT_SELECTION_TOKENS // seqlen)
+    torch.manual_seed(0)
+    loaded = load_model(str(model_dir), "fp32", "cpu")
+    windows = load_calibration(loaded.tokenizer, data.get("dataset"), fit_windows + held, seqlen,
+                               config=data.get("dataset_config"), split=data.get("split") or "train",
+                               max_positions=max_context(loaded.config))
+    if windows.nsamples <= fit_windows:
+        raise NblError(f"--criterion best: the calibration text has no windows left after the {fit_windows} fit "
+                       f"windows to choose the layers on")
+    heldout = windows.input_ids[fit_windows:]
+    linear = {i: artifact.linear(i, "attn") for i in range(artifact.num_layers)}
+    rankings = {c: ranking(artifact.scores(c, "attn")) for c in CRITERIA}
+    choices = {}
+    for method in methods:
+        evaluator = NestedEvaluator(loaded.model, heldout, METHOD_LAYER_TYPE[method], linear)
+        for m in ms:
+            _log(f"best: {method} m = {m} on {evaluator.tokens} held-out calibration tokens")
+            chosen, _, compared = best_of(evaluator, rankings, m)
+            cache.put(keys[(method, m)], {"chosen": chosen, "compared": compared})
+            choices[(method, m)] = chosen
+    return choices
+
+
 def argparse_namespace(**kwargs):
     import argparse
 
     return argparse.Namespace(**kwargs)
 
 
-def build_configs(artifact, args, n_layer: int) -> tuple[list[Config], list[Config]]:
-    """(main sweep, criteria comparison) configurations with their selected layers."""
+def build_configs(artifact, args, n_layer: int, best: dict | None = None) -> tuple[list[Config], list[Config]]:
+    """(main sweep, criteria comparison) configurations with their selected layers. With --criterion best,
+    ``best`` maps (method, m) to the local criterion that the held-out calibration windows chose."""
     main = [Config("baseline", 0, args.criterion)]
-    extra = [c for c in args.extra_criteria if c != args.criterion]
     for m in args.m:
         for method in args.methods:
-            main.append(Config(method, m, args.criterion, artifact.select(m, args.criterion, method)))
+            # block NBL has no held-out selection: it keeps the local default
+            chosen = (best or {}).get((method, m), args.criterion if args.criterion in CRITERIA else LOCAL_DEFAULT)
+            main.append(Config(method, m, chosen, artifact.select(m, chosen, method),
+                               chosen_by="best" if (method, m) in (best or {}) else ""))
             if method in ("attn-nbl", "attn-drop"):
-                for criterion in extra:
+                extra = CRITERIA if best else args.extra_criteria
+                for criterion in [c for c in extra if c != chosen]:
                     main.append(Config(method, m, criterion, artifact.select(m, criterion, method),
                                        variant=f"{criterion} layers"))
     criteria = []
@@ -264,7 +312,10 @@ def run_sweep(args) -> int:
     calib_tag = _file_sha(artifact.path / "report.json")
     factory = GgufFactory(model_dir, artifact, work / f"gguf-{calib_tag}", args.threads)
     cache = Cache(work / "results.json", args.fresh)
-    main, criteria = build_configs(artifact, args, n_layer)
+    best = None
+    if args.criterion == "best":
+        best = best_choices(artifact, model_dir, args.methods, sorted(set(args.m)), cache, calib_tag)
+    main, criteria = build_configs(artifact, args, n_layer, best)
     text_tag = _file_sha(text_file) if text_file else "none"
     task_tag = _sha(json.dumps({t: [_file_sha(p), n] for t, (p, n) in task_files.items()}).encode())
     eval_tag = f"{text_tag}-c{args.ctx_size}-k{args.chunks}-{task_tag}"

@@ -105,6 +105,11 @@ def write_markdown(path: Path, rows, setup, main, criteria, quants, task_files) 
         f"{data.get('seqlen')} = {data.get('tokens')} tokens of {data.get('dataset')}, one artifact for every row",
         f"* layer selection: `{setup['criterion']}` (attention scores for Attn NBL / DROP, block scores for Block NBL)",
     ]
+    if setup["criterion"] == "best":
+        lines.append("* `best` (the default of calibrate and convert): for each method and m, the layers of the local "
+                     "criterion (cca, nmse, cosine) whose set costs least on held-out calibration windows (the 8,192 "
+                     "tokens after the fit windows, never the evaluation text); each main row names its pick, the "
+                     "other criteria's layers follow it")
     if setup.get("tokens"):
         lines.append(f"* perplexity: {setup['text']}, `--ctx-size {setup['ctx']}`, {setup['chunks']} chunks, "
                      f"{setup['tokens']} scored tokens (second half of each chunk, as llama-perplexity); "
