@@ -436,9 +436,9 @@ def test_sweep_best_rows_repeat_the_choice_of_calibrate(checkpoint, tmp_path):
     assert run_calibrate(checkpoint, "--nsamples", 8, "--m", 2, "--selection-windows", 20, "-o", out) == 0
     art = load_artifact(out)
     recorded = art.report["selection"]
-    choices = sweep.best_choices(art, checkpoint / "model", ["attn-nbl", "block-nbl"], [2],
+    choices = sweep.best_choices(art, checkpoint / "model", ["attn-nbl", "attn-drop", "block-nbl"], [2],
                                  sweep.Cache(tmp_path / "results.json", fresh=True), "tag")
-    assert choices == {("attn-nbl", 2): recorded["chosen"]}  # block NBL has no held-out selection
+    assert choices == {("attn-nbl", 2): recorded["chosen"]}  # measured for Attn NBL only
     cached = json.loads((tmp_path / "results.json").read_text())["best|tag|attn-nbl|m2"]["compared"]
     for criterion, entry in recorded["heldout"]["compared"].items():
         assert cached[criterion][0] == entry["layers"]

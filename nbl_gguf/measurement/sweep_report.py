@@ -106,7 +106,7 @@ def write_markdown(path: Path, rows, setup, main, criteria, quants, task_files) 
         f"* layer selection: `{setup['criterion']}` (attention scores for Attn NBL / DROP, block scores for Block NBL)",
     ]
     if setup["criterion"] == "best":
-        lines.append("* `best` (the default of calibrate and convert): for each method and m, the layers of the local "
+        lines.append("* `best` (the default of calibrate and convert): for Attn NBL at each m, the layers of the local "
                      "criterion (cca, nmse, cosine) whose set costs least on held-out calibration windows (the 8,192 "
                      "tokens after the fit windows, never the evaluation text); each main row names its pick, the "
                      "other criteria's layers follow it")
