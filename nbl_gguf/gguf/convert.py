@@ -435,10 +435,6 @@ def _default_permissions(path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
-
-    # a plain `kill` must clean up like Ctrl-C: SystemExit unwinds through the temp dir's cleanup
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     summary = convert(args)
     print(summary.table())
     return 0
