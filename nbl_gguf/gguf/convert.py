@@ -21,6 +21,7 @@ from pathlib import Path
 from nbl_gguf.calibration.artifact import CRITERIA
 from nbl_gguf.calibration.calibrate import add_dataset_arguments, add_selection_arguments, selection_budget
 from nbl_gguf.errors import NblError
+from nbl_gguf.outputs import check_output_dir, check_output_file
 
 METHODS = ("attn-nbl", "attn-drop")
 FLOAT_OUTPUTS = ("F32", "F16", "BF16")
@@ -330,8 +331,9 @@ def convert(args) -> Summary:
     output = Path(args.output)
     if output.suffix.lower() != ".gguf":
         raise NblError(f"-o {output}: the output name must end in .gguf")
-    if output.is_dir():
-        raise NblError(f"-o {output} is a directory")
+    check_output_file(output, "-o")
+    if args.save_calibration:
+        check_output_dir(args.save_calibration, "--save-calibration", renamed_into_place=True)
     model_dir = resolve_model_dir(args.model)
     check_hf_folder(model_dir)
     n_layer, hidden = model_shape(model_dir)
@@ -353,7 +355,6 @@ def convert(args) -> Summary:
     def step(name):
         progress.set_postfix_str(name)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.work-", dir=output.parent) as tmp:
         tmp = Path(tmp)
         # 1. calibration
