@@ -100,7 +100,12 @@ def model_shape(model_dir: Path) -> tuple[int, int]:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise NblError(f"{model_dir} is not a HF model folder: it has no config.json")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise NblError(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise NblError(f"{config_path} is not a JSON object")
     get_adapter(config)
     config = config.get("text_config", config)
     try:
