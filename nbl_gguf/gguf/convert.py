@@ -144,18 +144,47 @@ def llama_cpp_commit() -> str | None:
     return None
 
 
+def llama_cpp_patches_sha256() -> str | None:
+    """sha256 over the patch series (each file's name and bytes, in order): with the commit, it names
+    the llama.cpp that this package's tools and the GGUF's reader were built from."""
+    import hashlib
+
+    from nbl_gguf.llamacpp.tools import REPO_ROOT
+
+    patches = sorted((REPO_ROOT / "patches").glob("*.patch"))
+    if not patches:
+        return None
+    digest = hashlib.sha256()
+    for patch in patches:
+        digest.update(patch.name.encode("utf-8") + b"\0" + patch.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _gguf_py_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("gguf")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def provenance(artifact, model_dir: Path, layers: list[int] | None = None) -> dict:
     """What the GGUF records about its calibration (no paths or timings: the bytes must be reproducible)."""
     from nbl_gguf import __version__
+    from nbl_gguf.calibration.dataset import FILE_SUFFIXES
 
     report = artifact.report
     data = dict(report.get("data", {}))
     model = report.get("model", {})
+    dataset = data.get("dataset")
+    if dataset and Path(dataset).suffix.lower() in FILE_SUFFIXES:
+        dataset = Path(dataset).name  # a local file: where it lay is no part of it (text_sha256 is)
     return {
         "model": model.get("name") or model_dir.name,
         "model_type": model.get("model_type"),
         "dtype": model.get("dtype"),
-        "dataset": data.get("dataset"),
+        "dataset": dataset,
         "dataset_config": data.get("dataset_config"),
         "split": data.get("split"),
         "nsamples": data.get("nsamples"),
@@ -164,7 +193,8 @@ def provenance(artifact, model_dir: Path, layers: list[int] | None = None) -> di
         "documents": data.get("documents"),
         "text_sha256": data.get("sha256"),
         "seed": data.get("seed"),
-        "versions": {**report.get("versions", {}), "nbl_gguf": __version__, "llama.cpp": llama_cpp_commit()},
+        "versions": {**report.get("versions", {}), "nbl_gguf": __version__, "gguf": _gguf_py_version(),
+                     "llama.cpp": llama_cpp_commit(), "llama.cpp patches": llama_cpp_patches_sha256()},
         **_measured_selection(report.get("selection", {}), layers),
     }
 
