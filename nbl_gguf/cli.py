@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from nbl_gguf.errors import NblError
 
@@ -34,18 +36,53 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         parser.parse_args(argv)  # prints the usage error and exits
     module_name, help_text = COMMANDS[name]
+    stop = _Interrupts()
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name == module_name:
-            print(f"nbl_gguf: the '{name}' command is not available in this build", file=sys.stderr)
-            return 2
-        raise
-    command_parser = argparse.ArgumentParser(prog=f"nbl_gguf {name}", description=help_text)
-    module.add_arguments(command_parser)
-    args = command_parser.parse_args(argv[1:])
-    try:
-        return int(module.run(args) or 0)
+        with stop:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as error:
+                if error.name == module_name:
+                    print(f"nbl_gguf: the '{name}' command is not available in this build", file=sys.stderr)
+                    return 2
+                raise
+            command_parser = argparse.ArgumentParser(prog=f"nbl_gguf {name}", description=help_text)
+            module.add_arguments(command_parser)
+            args = command_parser.parse_args(argv[1:])
+            return int(module.run(args) or 0)
     except NblError as error:
         print(f"nbl_gguf {name}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # every write is atomic and every temp file is removed while the interrupt unwinds: say so
+        # in one line instead of a traceback through whatever was running
+        print(f"nbl_gguf {name}: interrupted by {stop.signal_name}; no partial output was left", file=sys.stderr)
+        return 128 + stop.signal_number
+
+
+class _Interrupts:
+    """SIGTERM (a plain ``kill``, a job scheduler, a container stop) unwinds like Ctrl-C, so that the
+    same cleanup runs: temp dirs removed, child tools killed by subprocess.run."""
+
+    def __init__(self):
+        self.signal_number = signal.SIGINT
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signal_number).name
+
+    def _raise(self, signum, frame):
+        self.signal_number = signum
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        # signal handlers belong to the main thread (cli.main called from a worker thread keeps the default)
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        return False

@@ -214,6 +214,8 @@ def load_model(name_or_path: str | None = None, dtype: str | None = "auto", devi
     else:
         path = str(name_or_path)
         name = Path(path.rstrip("/")).name or path
+        if path.startswith((".", "/", "~")) and not Path(path).expanduser().exists():
+            raise NblError(f"--model {path}: no such folder")  # not a hub id: no download to try
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     try:
@@ -221,8 +223,12 @@ def load_model(name_or_path: str | None = None, dtype: str | None = "auto", devi
     except (OSError, ValueError) as error:
         raise NblError(f"cannot load a model config from '{path}': {error}") from error
     adapter = get_adapter(config)  # fail on the architecture before loading gigabytes of weights
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except Exception as error:  # noqa: BLE001 - truncated safetensors, missing tokenizer, ...: each its own type
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise NblError(f"cannot load the model in '{path}' ({type(error).__name__}: {first_line})") from error
     model.to(device).eval()
     model.config.use_cache = False
     return LoadedModel(model, tokenizer, adapter, name, path, device, torch_dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def convert_args(**overrides) -> argparse.Namespace:
@@ -20,3 +21,27 @@ def convert_args(**overrides) -> argparse.Namespace:
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
+
+
+def save_tiny_llama(path: Path, n_layer: int = 4, seed: int = 0) -> Path:
+    """A tiny random LlamaForCausalLM (d=64) with the embedded SmolLM2 tokenizer (which the pinned
+    converter recognizes), saved as a HF folder at ``path``."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from nbl_gguf import models
+
+    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=n_layer,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

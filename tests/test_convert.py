@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _convert_helpers import convert_args
+from _convert_helpers import convert_args, save_tiny_llama
 from nbl_gguf import cli
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
@@ -29,26 +29,7 @@ N_LAYER = 4
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory) -> Path:
     """A tiny random LlamaForCausalLM (4 layers, d=64) with the SmolLM2 tokenizer, saved as a HF folder."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from nbl_gguf import models
-
-    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYER,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.2 * torch.randn_like(param))
-    path = tmp_path_factory.mktemp("tiny-hf") / "tiny-llama"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-hf") / "tiny-llama", N_LAYER)
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,22 @@ class CalibrationArtifact:
         self._check_target(target)
         if not 0 <= layer < self.num_layers:
             raise NblError(f"layer {layer} out of range (the model has {self.num_layers})")
-        return self.tensors[f"{target}.{layer}.weight"], self.tensors[f"{target}.{layer}.bias"]
+        d = self.report["model"].get("hidden_size")
+        weight = self._tensor(f"{target}.{layer}.weight", None if d is None else (d, d))
+        bias = self._tensor(f"{target}.{layer}.bias", None if d is None else (d,))
+        return weight, bias
+
+    def _tensor(self, name: str, shape: tuple[int, ...] | None) -> np.ndarray:
+        """A map tensor, checked: an edited or damaged artifact must not reach a GGUF."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise NblError(f"the calibration in {self.path} has no tensor {name} ({WEIGHTS} is incomplete)")
+        if shape is not None and tuple(tensor.shape) != shape:
+            raise NblError(f"the calibration in {self.path}: tensor {name} has shape {list(tensor.shape)}, "
+                           f"expected {list(shape)} (hidden size {shape[0]})")
+        if not np.isfinite(tensor).all():
+            raise NblError(f"the calibration in {self.path}: tensor {name} is not finite (NaN or inf)")
+        return tensor
 
     def scores(self, criterion: str = "cca", target: str = "attn") -> np.ndarray:
         if criterion not in CRITERIA:
@@ -116,8 +131,19 @@ def load_artifact(path: str | os.PathLike) -> CalibrationArtifact:
     path = Path(path)
     if not (path / REPORT).is_file() or not (path / WEIGHTS).is_file():
         raise NblError(f"{path} is not a calibration artifact (expected {REPORT} and {WEIGHTS}); run 'calibrate' first")
-    report = json.loads((path / REPORT).read_text(encoding="utf-8"))
-    return CalibrationArtifact(path, report, load_file(str(path / WEIGHTS)))
+    try:
+        report = json.loads((path / REPORT).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise NblError(f"{path / REPORT} is not valid JSON ({error})") from None
+    missing = [key for key in ("model", "layers", "selection") if not isinstance(report, dict) or key not in report]
+    if missing or "num_layers" not in report["model"] or len(report["layers"]) != report["model"]["num_layers"]:
+        raise NblError(f"{path / REPORT} is not a calibration report (" + (
+            f"no {', '.join(missing)}" if missing else "no model.num_layers or not one entry per layer") + ")")
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error type for damaged files
+        raise NblError(f"{path / WEIGHTS} is not a readable safetensors file ({error})") from error
+    return CalibrationArtifact(path, report, tensors)
 
 
 def write_artifact(path: str | os.PathLike, report: dict, tensors: dict[str, np.ndarray], plot=None) -> Path:

@@ -17,6 +17,7 @@ import numpy as np
 
 from nbl_gguf.calibration.artifact import CRITERIA, DEFAULT_CRITERION, LOCAL_DEFAULT, SELECTIONS, TARGETS
 from nbl_gguf.errors import NblError
+from nbl_gguf.outputs import check_output_dir
 
 METHODS = ("attn-nbl", "attn-drop", "block-nbl")
 DEFAULT_M = 12
@@ -26,6 +27,7 @@ DEFAULT_M = 12
 DEFAULT_NSAMPLES = {"cuda": 256, "cpu": 32}
 DEFAULT_SELECTION_TOKENS = 8192  # held out for best/greedy/auto: 4 windows of 2048 by default
 DEFAULT_MAX_PPL_INCREASE = 10.0
+DEFAULT_OUTPUT_ROOT = Path("out") / "calibration"
 
 
 def parse_m(text: str):
@@ -280,6 +282,11 @@ def run(args: argparse.Namespace) -> int:
         raise NblError(f"--selection-windows must be at least 1, got {args.selection_windows}")
     if METHOD_TARGET[args.method] not in targets:
         raise NblError(f"--method {args.method} needs the block statistics: use --targets attn,block")
+    # the artifact is written last: a folder it cannot be written in must not cost a calibration first
+    if args.output:
+        check_output_dir(args.output, "-o", renamed_into_place=True)
+    else:
+        check_output_dir(DEFAULT_OUTPUT_ROOT, "the default -o")
     torch.manual_seed(args.seed)
     timer = _Timer()
     with timer("load_model"):
@@ -366,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         "timings_s": timer.phases,
         "versions": _versions(),
     }
-    output = Path(args.output or Path("out") / "calibration" / loaded.name)
+    output = Path(args.output or DEFAULT_OUTPUT_ROOT / loaded.name)
     write_artifact(output, report, tensors, plot=lambda path: plot_scores(path, report))
     print(describe_selection(selection, num_layers))
     print(f"artifact: {output}  ({calib.tokens} tokens, timings {report['timings_s']})")

@@ -18,6 +18,7 @@ from nbl_gguf.errors import NblError
 BUNDLED_NAME = "c4-sample.json"
 CALIBRATION_DOCS = 256  # the rest of the bundled sample is held out for perplexity
 DEFAULT_DATASET = f"bundled:{BUNDLED_NAME}[:{CALIBRATION_DOCS}]"
+FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet")  # local files; any other name is a hub dataset
 
 
 def _bundled_texts() -> list[str]:
@@ -57,30 +58,45 @@ def _texts_from_json(data, where: str, field: str) -> list[str]:
     return [_as_text(item, where, field) for item in data]
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise NblError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+
+
 def _file_texts(path: Path, field: str) -> Iterator[str]:
     suffix = path.suffix.lower()
     if suffix == ".txt":
         # Blank lines separate documents; a file without any is one document.
-        text = path.read_text(encoding="utf-8")
+        text = _read_text(path)
         yield from (doc.strip() for doc in text.split("\n\n") if doc.strip())
     elif suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(_read_text(path))
         except json.JSONDecodeError as error:
             raise NblError(f"{path}: not valid JSON ({error})") from error
         yield from _texts_from_json(data, str(path), field)
     elif suffix == ".jsonl":
-        with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if line.strip():
-                    try:
-                        yield _as_text(json.loads(line), f"{path}:{number}", field)
-                    except json.JSONDecodeError as error:
-                        raise NblError(f"{path}:{number}: not valid JSON ({error})") from error
+        number = 0
+        with path.open(encoding="utf-8") as handle:  # streamed: only the documents needed are read
+            try:
+                for number, line in enumerate(handle, 1):
+                    if line.strip():
+                        try:
+                            yield _as_text(json.loads(line), f"{path}:{number}", field)
+                        except json.JSONDecodeError as error:
+                            raise NblError(f"{path}:{number}: not valid JSON ({error})") from error
+            except UnicodeDecodeError as error:
+                raise NblError(f"{path} is not UTF-8 text (after line {number}: {error.reason})") from None
     elif suffix == ".parquet":
+        import pyarrow
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except pyarrow.ArrowException as error:
+            raise NblError(f"{path}: not a readable Parquet file ({error})") from error
         if field not in table.column_names:
             raise NblError(f"{path}: no '{field}' column (columns: {', '.join(table.column_names)})")
         yield from (text for text in table.column(field).to_pylist() if isinstance(text, str))
@@ -109,7 +125,7 @@ def iter_texts(dataset: str | None = None, *, config: str | None = None, split: 
         if path.is_dir():
             raise NblError(f"{dataset} is a directory; pass a .txt, .json, .jsonl or .parquet file")
         return _file_texts(path, field)
-    if path.suffix.lower() in (".txt", ".json", ".jsonl", ".parquet"):
+    if path.suffix.lower() in FILE_SUFFIXES:
         raise NblError(f"dataset file {dataset} does not exist")
     return _hub_texts(dataset, config, split, field)
 

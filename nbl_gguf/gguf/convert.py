@@ -21,6 +21,7 @@ from pathlib import Path
 from nbl_gguf.calibration.artifact import CRITERIA
 from nbl_gguf.calibration.calibrate import add_dataset_arguments, add_selection_arguments, selection_budget
 from nbl_gguf.errors import NblError
+from nbl_gguf.outputs import check_output_dir, check_output_file
 
 METHODS = ("attn-nbl", "attn-drop")
 FLOAT_OUTPUTS = ("F32", "F16", "BF16")
@@ -99,7 +100,12 @@ def model_shape(model_dir: Path) -> tuple[int, int]:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise NblError(f"{model_dir} is not a HF model folder: it has no config.json")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise NblError(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise NblError(f"{config_path} is not a JSON object")
     get_adapter(config)
     config = config.get("text_config", config)
     try:
@@ -138,18 +144,47 @@ def llama_cpp_commit() -> str | None:
     return None
 
 
+def llama_cpp_patches_sha256() -> str | None:
+    """sha256 over the patch series (each file's name and bytes, in order): with the commit, it names
+    the llama.cpp that this package's tools and the GGUF's reader were built from."""
+    import hashlib
+
+    from nbl_gguf.llamacpp.tools import REPO_ROOT
+
+    patches = sorted((REPO_ROOT / "patches").glob("*.patch"))
+    if not patches:
+        return None
+    digest = hashlib.sha256()
+    for patch in patches:
+        digest.update(patch.name.encode("utf-8") + b"\0" + patch.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _gguf_py_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("gguf")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def provenance(artifact, model_dir: Path, layers: list[int] | None = None) -> dict:
     """What the GGUF records about its calibration (no paths or timings: the bytes must be reproducible)."""
     from nbl_gguf import __version__
+    from nbl_gguf.calibration.dataset import FILE_SUFFIXES
 
     report = artifact.report
     data = dict(report.get("data", {}))
     model = report.get("model", {})
+    dataset = data.get("dataset")
+    if dataset and Path(dataset).suffix.lower() in FILE_SUFFIXES:
+        dataset = Path(dataset).name  # a local file: where it lay is no part of it (text_sha256 is)
     return {
         "model": model.get("name") or model_dir.name,
         "model_type": model.get("model_type"),
         "dtype": model.get("dtype"),
-        "dataset": data.get("dataset"),
+        "dataset": dataset,
         "dataset_config": data.get("dataset_config"),
         "split": data.get("split"),
         "nsamples": data.get("nsamples"),
@@ -158,7 +193,8 @@ def provenance(artifact, model_dir: Path, layers: list[int] | None = None) -> di
         "documents": data.get("documents"),
         "text_sha256": data.get("sha256"),
         "seed": data.get("seed"),
-        "versions": {**report.get("versions", {}), "nbl_gguf": __version__, "llama.cpp": llama_cpp_commit()},
+        "versions": {**report.get("versions", {}), "nbl_gguf": __version__, "gguf": _gguf_py_version(),
+                     "llama.cpp": llama_cpp_commit(), "llama.cpp patches": llama_cpp_patches_sha256()},
         **_measured_selection(report.get("selection", {}), layers),
     }
 
@@ -330,8 +366,9 @@ def convert(args) -> Summary:
     output = Path(args.output)
     if output.suffix.lower() != ".gguf":
         raise NblError(f"-o {output}: the output name must end in .gguf")
-    if output.is_dir():
-        raise NblError(f"-o {output} is a directory")
+    check_output_file(output, "-o")
+    if args.save_calibration:
+        check_output_dir(args.save_calibration, "--save-calibration", renamed_into_place=True)
     model_dir = resolve_model_dir(args.model)
     check_hf_folder(model_dir)
     n_layer, hidden = model_shape(model_dir)
@@ -353,7 +390,6 @@ def convert(args) -> Summary:
     def step(name):
         progress.set_postfix_str(name)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.work-", dir=output.parent) as tmp:
         tmp = Path(tmp)
         # 1. calibration
@@ -435,10 +471,6 @@ def _default_permissions(path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
-
-    # a plain `kill` must clean up like Ctrl-C: SystemExit unwinds through the temp dir's cleanup
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     summary = convert(args)
     print(summary.table())
     return 0

@@ -25,6 +25,8 @@ from nbl_gguf.gguf.nbl_format import (
 
 KV_BYTES = 2  # the KV cache is F16 by default in llama.cpp
 GGUF_MAGIC = b"GGUF"
+# how gguf-py fails when a field or a tensor runs past the end of the file (a cut download or copy)
+GGUF_PAST_THE_END = ("exceeds remaining file size", "cannot reshape array of size")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +50,9 @@ def open_gguf(path: str | os.PathLike):
     try:
         return gguf.GGUFReader(path)
     except Exception as error:  # noqa: BLE001 - gguf-py raises assorted types for damaged files
+        if any(sign in str(error) for sign in GGUF_PAST_THE_END):
+            raise NblError(f"{path} is truncated (or its header is damaged): the file ends before the data its "
+                           f"header declares ({path.stat().st_size:,} bytes; gguf-py: {error})") from error
         raise NblError(f"{path} is not a readable GGUF file: {error}") from error
 
 

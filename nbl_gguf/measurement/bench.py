@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
+from nbl_gguf.outputs import check_output_dir
 from nbl_gguf.measurement.bench_report import format_table, hf_markdown, machine_description, write_outputs
 from nbl_gguf.measurement.llama_bench import resolve_backends, run_llama_bench, schedule
 from nbl_gguf.measurement.roofline import ModelCost, check_pair, file_type_name, kv_type_bytes, model_cost
@@ -330,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
     apply_presets(args)
     if args.threads is not None and args.threads < 1:
         raise NblError("--threads must be at least 1")
-    out = Path(args.output_dir)
+    out = check_output_dir(args.output_dir, "-o")  # before minutes of measuring, not after
     backends, devices = resolve_backends(args.backends)
     models = resolve_models(args, log)
     costs = {c.label: c.cost for c in models.all()}

@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
+from nbl_gguf.gguf.inspect import open_model_gguf
+from nbl_gguf.outputs import check_output_file
 from nbl_gguf.measurement.perplexity import DEFAULT_CTX, evaluate
 from nbl_gguf.measurement.tasks import TASKS, _task_files, check_text
 from nbl_gguf.calibration.artifact import CRITERIA, DEFAULT_CRITERION
@@ -116,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.models:
         raise NblError("no GGUF files given (or use --sweep)")
     for model in args.models:
-        if not Path(model).is_file():
-            raise NblError(f"{model} does not exist")
+        open_model_gguf(model)  # missing, truncated, not a GGUF: said here, not by llama-perplexity's log
+    if args.json:
+        check_output_file(args.json, "--json")
     task_files = _task_files(args)
     if args.no_ppl and not task_files:
         raise NblError("nothing to evaluate: --no-ppl and no task file")
