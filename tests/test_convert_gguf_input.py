@@ -175,20 +175,24 @@ def nbl_model(loaded, types: list[int], linear, weight_type: str):
 
     from nbl_gguf.calibration.apply import LinearAttention, apply_nbl
 
-    def rounded(module, args):
-        x = args[0].detach().float()
-        flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]).numpy())
+    def round_like_ggml(x):
+        flat = np.ascontiguousarray(x.detach().float().reshape(-1, x.shape[-1]).numpy())
         if INPUT_ROUNDING[weight_type] == "F16":
             flat = flat.astype(np.float16).astype(np.float32)
         else:
             qtype = gguf.GGMLQuantizationType[INPUT_ROUNDING[weight_type]]
             flat = gguf.quants.dequantize(gguf.quants.quantize(flat, qtype), qtype)
-        return (torch.from_numpy(np.ascontiguousarray(flat)).reshape(x.shape).to(args[0].dtype), *args[1:])
+        return torch.from_numpy(np.ascontiguousarray(flat)).reshape(x.shape).to(x.dtype)
+
+    def rounded(module, args, kwargs):  # HF passes hidden_states by keyword
+        if args:
+            return (round_like_ggml(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": round_like_ggml(kwargs["hidden_states"])}
 
     model = apply_nbl(copy.deepcopy(loaded.model), types, linear)
     for module in model.modules():
         if isinstance(module, LinearAttention):
-            module.register_forward_pre_hook(rounded)
+            module.register_forward_pre_hook(rounded, with_kwargs=True)
     return model
 
 
@@ -490,8 +494,10 @@ def test_sweep_on_a_gguf_measures_the_file_and_its_surgery(embedded_gguf, smol, 
     assert eval_command.run(parser.parse_args(common)) == 0
 
     rows = list(csv.DictReader(open(tmp_path / "work" / "quality.csv", encoding="utf-8")))
-    assert {(r["config"], r["quant"]) for r in rows} == {("baseline", "q4_1"), ("attn-nbl-cca-m2", "q4_1")}
+    assert {(r["method"], r["m"], r["backend"], r["quant"]) for r in rows} == {
+        ("baseline", "0", "llama.cpp", "q4_1"), ("attn-nbl", "2", "llama.cpp", "q4_1")}
     # the baseline is the input file itself; the NBL configuration is the surgery on it
+    assert [int(r["file_bytes"]) for r in rows if r["method"] == "baseline"] == [embedded_gguf.stat().st_size]
     [nbl] = list((tmp_path / "work").glob("gguf-*/attn-nbl-cca-m2-q4_1.gguf"))
     assert_surgery(embedded_gguf, nbl, artifact.layer_types(2, "cca", "attn-nbl"))
     assert not list((tmp_path / "work").glob("gguf-*/baseline*"))
