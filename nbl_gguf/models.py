@@ -132,21 +132,26 @@ def embedded_gguf_path() -> Path:
 
 
 def default_model_dir() -> Path:
-    """Plain HF checkpoint of the embedded SmolLM2-135M-Instruct, created on first use.
+    """Plain HF checkpoint of the embedded SmolLM2-135M-Instruct, created on first use (the package
+    ships a Q4_1 GGUF; llama.cpp's converter and our hooks both want an ordinary safetensors folder)."""
+    return checkpoint_from_gguf(embedded_gguf_path(), cache_dir() / "models" / EMBEDDED_NAME)
 
-    The package ships a Q4_1 GGUF; llama.cpp's converter and our hooks both want an ordinary
-    safetensors folder, so it is dequantized once (by transformers' GGUF reader) and cached.
-    """
-    target = cache_dir() / "models" / EMBEDDED_NAME
+
+def checkpoint_from_gguf(gguf: Path, target: Path) -> Path:
+    """``target``: a plain safetensors checkpoint of the model transformers dequantizes from ``gguf``,
+    made once and reused (a folder that exists is trusted: it was checked when it was made)."""
     if (target / "config.json").is_file():
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = embedded_gguf_path()
     folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except (ValueError, KeyError, NotImplementedError, RuntimeError, OSError) as error:
+        raise NblError(f"transformers could not read the model in {gguf}: {type(error).__name__}: "
+                       f"{str(error).splitlines()[0] if str(error) else ''}") from error
     config = loaded.config
     # A GGUF-loaded config remembers its quantization; a plain checkpoint must not, or reloading
     # it would look for a GGUF file again.
@@ -159,11 +164,11 @@ def default_model_dir() -> Path:
     fresh.tie_weights()
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build next to the target and rename: a concurrent or interrupted run never sees half a folder.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}.", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        _check_reload(tmp, loaded, tokenizer)
+        _check_reload(tmp, loaded, tokenizer, gguf)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -175,7 +180,7 @@ def default_model_dir() -> Path:
     return target
 
 
-def _check_reload(folder: Path, reference, tokenizer) -> None:
+def _check_reload(folder: Path, reference, tokenizer, gguf: Path) -> None:
     """The cached folder is reused forever, so prove it reproduces the GGUF model before publishing it."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -185,7 +190,7 @@ def _check_reload(folder: Path, reference, tokenizer) -> None:
     with torch.no_grad():
         expected, got = reference.eval()(ids).logits, reloaded(ids).logits
     if not torch.isfinite(got).all() or not torch.allclose(expected, got, atol=1e-4, rtol=1e-4):
-        raise NblError(f"the converted {EMBEDDED_NAME} checkpoint does not reproduce the GGUF model's logits")
+        raise NblError(f"the checkpoint converted from {gguf.name} does not reproduce the GGUF model's logits")
 
 
 @dataclass
@@ -203,17 +208,19 @@ class LoadedModel:
         return self.model.config
 
 
-def load_model(name_or_path: str | None = None, dtype: str | None = "auto", device: str | None = "auto") -> LoadedModel:
-    """Load a causal LM and its tokenizer from a local folder or a hub id (None = embedded model)."""
+def load_model(name_or_path: str | None = None, dtype: str | None = "auto", device: str | None = "auto",
+               name: str | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a local folder or a hub id (None = embedded model);
+    ``name`` names it in reports (default: the folder's name)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path in (None, "", "default", "embedded"):
         path = str(default_model_dir())
-        name = EMBEDDED_NAME
+        name = name or EMBEDDED_NAME
     else:
         path = str(name_or_path)
-        name = Path(path.rstrip("/")).name or path
+        name = name or Path(path.rstrip("/")).name or path
         if path.startswith((".", "/", "~")) and not Path(path).expanduser().exists():
             raise NblError(f"--model {path}: no such folder")  # not a hub id: no download to try
     device = resolve_device(device)

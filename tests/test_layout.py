@@ -16,6 +16,7 @@ RANKS = {
     "nbl_gguf.errors": 0,
     "nbl_gguf.outputs": 0,
     "nbl_gguf.models": 0,
+    "nbl_gguf.model_source": 0,
     "nbl_gguf.llamacpp": 0,
     "nbl_gguf.calibration": 1,
     "nbl_gguf.gguf": 2,

@@ -91,7 +91,8 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="HF folder or hub id of a supported model (llama, mistral, qwen2/3, phi3, gemma2/3, ...) "
+                        help="HF folder, hub id or GGUF file of a supported model (llama, mistral, qwen2/3, phi3, "
+                             "gemma2/3, ...; a GGUF is calibrated as transformers dequantizes it) "
                              "(default: embedded SmolLM2-135M-Instruct)")
     add_dataset_arguments(parser)
     parser.add_argument("--nsamples", type=int, default=None,
@@ -269,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
 
     from nbl_gguf import models
     from nbl_gguf.calibration import dataset
+    from nbl_gguf.model_source import resolve_model
     from nbl_gguf.calibration.artifact import METHOD_TARGET, plot_scores, write_artifact
     from nbl_gguf.calibration.solve import ranking
 
@@ -290,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     timer = _Timer()
     with timer("load_model"):
-        loaded = models.load_model(args.model, args.dtype, args.device)
+        source = resolve_model(args.model)
+        loaded = models.load_model(str(source.hf_folder()), args.dtype, args.device, name=source.name)
     model, config = loaded.model, loaded.config
     num_layers = len(models.decoder_layers(model))
     d = models.text_config(config).hidden_size
@@ -359,7 +362,8 @@ def run(args: argparse.Namespace) -> int:
         "format_version": 1,
         "model": {"name": loaded.name, "path": loaded.path, "architecture": (config.architectures or ["?"])[0],
                   "model_type": config.model_type, "hidden_size": d, "num_layers": num_layers,
-                  "dtype": str(loaded.dtype).replace("torch.", ""), "device": loaded.device},
+                  "dtype": str(loaded.dtype).replace("torch.", ""), "device": loaded.device,
+                  **({"gguf": source.gguf.provenance()} if source.gguf is not None else {})},
         "data": {"dataset": args.dataset or dataset.DEFAULT_DATASET, "dataset_config": args.dataset_config,
                  "split": args.split, "nsamples": calib.nsamples, "nsamples_requested": nsamples,
                  "selection_windows": 0 if heldout_ids is None else int(heldout_ids.shape[0]),

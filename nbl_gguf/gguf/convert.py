@@ -1,7 +1,10 @@
-"""`convert`: HF model -> NBL GGUF in one command.
+"""`convert`: HF model or GGUF file -> NBL GGUF in one command.
 
-    calibrate (or reuse --calibration)  ->  stock GGUF by the pinned llama.cpp converter (F32/F16)
-    ->  NBL rewrite (selected layers: attn-nbl = W x + b, attn-drop = nothing)  ->  llama-quantize
+    HF model:   calibrate (or reuse --calibration)  ->  stock GGUF by the pinned llama.cpp converter
+                (F32/F16)  ->  NBL rewrite (selected layers: attn-nbl = W x + b, attn-drop = nothing)
+                ->  llama-quantize
+    GGUF file:  calibrate on the model transformers dequantizes from it  ->  NBL surgery on the file
+                itself (every other tensor keeps its bytes and type; W in --nbl-type)
 
 Intermediate files live in a temp dir; the output appears only once complete (temp then rename),
 so an interrupted or failed run leaves no partial GGUF. The same inputs and seed give the same bytes.
@@ -33,11 +36,14 @@ EVAL_CHUNKS = 8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="HF folder or hub id of a supported model (llama, mistral, qwen2/3, phi3, gemma2/3, ...) "
-                             "(default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--quant", default=DEFAULT_QUANT,
-                        help="output type: any llama-quantize type (q4_k_m, q5_k_m, q8_0, ...) or f32/f16/bf16 "
-                             f"(default: {DEFAULT_QUANT})")
+                        help="HF folder, hub id or GGUF file of a supported model (llama, mistral, qwen2/3, phi3, "
+                             "gemma2/3, ...) (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--quant", default=None,
+                        help="output type of a HF model: any llama-quantize type (q4_k_m, q5_k_m, q8_0, ...) or "
+                             f"f32/f16/bf16 (default: {DEFAULT_QUANT}); a GGUF --model keeps its own types")
+    parser.add_argument("--nbl-type", default=None, metavar="TYPE",
+                        help="GGUF --model only: ggml type of the NBL weights (q8_0, q4_k, f16, ...; default: the type "
+                             "of each replaced layer's attn_output, q8_0 where that cannot hold an n_embd x n_embd matrix)")
     parser.add_argument("--method", default="attn-nbl",
                         help="attn-nbl (attention -> W x + b) or attn-drop (attention removed); "
                              "block-nbl is evaluated in PyTorch only")
@@ -70,26 +76,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --- inputs ------------------------------------------------------------------------------------
 
 def resolve_model_dir(model: str | None) -> Path:
-    """A local HF folder for ``model``: the embedded default, a folder, or a hub snapshot."""
-    from nbl_gguf import models
+    """A local HF folder for ``model``: the embedded default, a folder, or a hub snapshot (for the
+    commands that take no GGUF file)."""
+    from nbl_gguf.model_source import is_gguf_file, resolve_model
 
-    if model in (None, "", "default", "embedded"):
-        return models.default_model_dir()
-    path = Path(model).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise NblError(f"--model {model} is a file: pass a HF model folder or a hub id")
-        return path
-    if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise NblError(f"--model {model}: no such folder")
-    try:
-        from huggingface_hub import snapshot_download
+    if is_gguf_file(model):
+        raise NblError(f"--model {model} is a file: this command takes a HF model folder or a hub id "
+                       f"(calibrate, convert and eval --sweep take GGUF files)")
+    return resolve_model(model).hf_folder()
 
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
-                                                             "*.jinja", "tokenizer*"]))
-    except Exception as error:  # noqa: BLE001 - offline, unknown repo, gated: all the same to the user
-        raise NblError(f"--model {model}: not a local folder, and the hub download failed "
-                       f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from error
+
+def resolve_source(args, method: str):
+    """--model as a ModelSource, with the options that only one kind of input takes checked first."""
+    from nbl_gguf.gguf import nbl_format
+    from nbl_gguf.model_source import is_gguf_file, resolve_model
+
+    if not is_gguf_file(args.model):
+        if args.nbl_type is not None:
+            raise NblError("--nbl-type goes with a GGUF --model (a HF model's NBL weights take --quant's types)")
+        check_quant(args.quant or DEFAULT_QUANT)  # before a hub download
+        return resolve_model(args.model)
+    if args.quant is not None:
+        raise NblError(f"--quant {args.quant} means nothing for a GGUF --model: the NBL file keeps every tensor of "
+                       f"{Path(args.model).name} as it is; --nbl-type chooses the type of the NBL weights")
+    if args.imatrix:
+        raise NblError("--imatrix means nothing for a GGUF --model: nothing is quantized again (the file's own "
+                       "tensors, imatrix-quantized or not, are kept as they are)")
+    source = resolve_model(args.model, runnable=nbl_format.SUPPORTED_ARCHITECTURES, calibrating=not args.calibration)
+    if args.nbl_type is not None and method == "attn-nbl":
+        nbl_format.parse_weight_type(args.nbl_type, source.gguf.n_embd)
+    return source
 
 
 def model_shape(model_dir: Path) -> tuple[int, int]:
@@ -169,8 +185,9 @@ def _gguf_py_version() -> str | None:
         return None
 
 
-def provenance(artifact, model_dir: Path, layers: list[int] | None = None) -> dict:
-    """What the GGUF records about its calibration (no paths or timings: the bytes must be reproducible)."""
+def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=None) -> dict:
+    """What the GGUF records about its calibration (no paths or timings: the bytes must be reproducible);
+    ``gguf``: the GGUF file (model_source.GgufFile) the NBL file was made from, by name and sha256."""
     from nbl_gguf import __version__
     from nbl_gguf.calibration.dataset import FILE_SUFFIXES
 
@@ -196,6 +213,7 @@ def provenance(artifact, model_dir: Path, layers: list[int] | None = None) -> di
         "versions": {**report.get("versions", {}), "nbl_gguf": __version__, "gguf": _gguf_py_version(),
                      "llama.cpp": llama_cpp_commit(), "llama.cpp patches": llama_cpp_patches_sha256()},
         **_measured_selection(report.get("selection", {}), layers),
+        **({"source_gguf": gguf.provenance()} if gguf is not None else {}),
     }
 
 
@@ -311,6 +329,7 @@ class Summary:
     output: Path
     heldout: dict | None = None  # heldout_perplexities(), or None with --no-eval
     extra: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # printed under the table
 
     def table(self) -> str:
         from nbl_gguf.gguf.inspect import human_bytes
@@ -344,6 +363,7 @@ class Summary:
         if self.heldout:
             lines.append(f"  held-out perplexity: llama-perplexity, {self.heldout['chunks']} chunks of "
                          f"{self.heldout['ctx']} tokens of the bundled C4 documents never used for calibration")
+        lines += [f"  {note}" for note in self.notes]
         lines.append(f"  output: {self.output}")
         return "\n".join(lines)
 
@@ -362,27 +382,37 @@ def convert(args) -> Summary:
 
     # cheap checks first: a typo must not cost a calibration
     method = check_method(args.method)
-    quant = check_quant(args.quant)
     output = Path(args.output)
     if output.suffix.lower() != ".gguf":
         raise NblError(f"-o {output}: the output name must end in .gguf")
     check_output_file(output, "-o")
     if args.save_calibration:
         check_output_dir(args.save_calibration, "--save-calibration", renamed_into_place=True)
-    model_dir = resolve_model_dir(args.model)
-    check_hf_folder(model_dir)
-    n_layer, hidden = model_shape(model_dir)
+    source = resolve_source(args, method)
+    if source.gguf is not None:
+        if output.resolve() == source.gguf.path.resolve():
+            raise NblError(f"-o {output} is the --model file itself: the NBL file must go elsewhere")
+        quant = source.gguf.file_type
+        n_layer, hidden = source.gguf.n_layer, source.gguf.n_embd
+    else:
+        quant = check_quant(args.quant or DEFAULT_QUANT)
+        check_hf_folder(source.hf_folder())
+        n_layer, hidden = model_shape(source.hf_folder())
     m, _ = selection_budget(args.m, args.max_ppl_increase)
     if m is not None and not 0 <= m <= n_layer:
-        raise NblError(f"--m {m} is out of range: {model_dir.name} has {n_layer} layers")
+        raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
     if args.calibration and not Path(args.calibration).is_dir():
         raise NblError(f"--calibration {args.calibration}: no such artifact directory")
     if args.eval_chunks < 1:
         raise NblError(f"--eval-chunks must be at least 1, got {args.eval_chunks}")
 
-    steps = ["calibrate" if not args.calibration else "load calibration", "stock conversion", "NBL rewrite"]
-    if quant not in FLOAT_OUTPUTS:
-        steps += (["imatrix"] if args.imatrix else []) + ["quantize stock", "quantize NBL"]
+    steps = ["calibrate" if not args.calibration else "load calibration"]
+    if source.gguf is not None:
+        steps.append("NBL surgery")
+    else:
+        steps += ["stock conversion", "NBL rewrite"]
+        if quant not in FLOAT_OUTPUTS:
+            steps += (["imatrix"] if args.imatrix else []) + ["quantize stock", "quantize NBL"]
     if not args.no_eval:
         steps.append("held-out perplexity")
     progress = tqdm(total=len(steps), desc="convert", unit="step", disable=args.no_progress, file=sys.stderr)
@@ -398,53 +428,64 @@ def convert(args) -> Summary:
             artifact = load_artifact(args.calibration)
         else:
             target = Path(args.save_calibration) if args.save_calibration else tmp / "calibration"
-            artifact = load_artifact(calibrate_into(target, model_dir, args))
+            artifact = load_artifact(calibrate_into(target, source.hf_folder(), args))
         if artifact.num_layers != n_layer:
-            raise NblError(f"the calibration has {artifact.num_layers} layers but {model_dir.name} has {n_layer}: "
+            raise NblError(f"the calibration has {artifact.num_layers} layers but {source.name} has {n_layer}: "
                            f"it was made for another model")
         artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
         if artifact_hidden is not None and int(artifact_hidden) != hidden:
-            raise NblError(f"the calibration is for hidden size {artifact_hidden}, {model_dir.name} has {hidden}")
+            raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
         selected = chosen_layers(artifact, args, method, n_layer)
         # greedy has no per-layer score: its reasons are the held-out losses in the provenance
         scores = [float(s) for s in artifact.scores(args.criterion, "attn")] if args.criterion in CRITERIA else None
         layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
         types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
         linear = {i: artifact.linear(i, "attn") for i in selected if layer_type == nbl_format.LINEAR}
+        layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion, scores=scores,
+                                      calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
         progress.update()
 
-        # 2. stock conversion
-        step(steps[1])
-        intermediate = quant.lower() if quant in FLOAT_OUTPUTS else args.intermediate
-        stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
-        progress.update()
-
-        # 3. NBL rewrite
-        step(steps[2])
-        layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion,
-                                    scores=scores, calibration=provenance(artifact, model_dir, selected))
-        final_float = quant in FLOAT_OUTPUTS
-        nbl_path = output if final_float else tmp / f"nbl-{intermediate}.gguf"
-        nbl_format.write_nbl_gguf(stock, nbl_path, layers, weight_type=intermediate.upper())
-        progress.update()
-
-        # 4. quantization of both (the stock one only for the size comparison)
-        if final_float:
-            stock_final = stock
+        notes = []
+        if source.gguf is not None:
+            # 2. surgery on the user's own file: it is the stock file of the comparison
+            step("NBL surgery")
+            weights = nbl_format.weight_types(source.gguf.path, layers, args.nbl_type)
+            nbl_format.write_nbl_gguf(source.gguf.path, output, layers, weight_type=weights)
+            stock_final = source.gguf.path
+            notes = gguf_notes(source.gguf, weights, args.nbl_type)
+            progress.update()
         else:
-            imatrix = None
-            if args.imatrix:
-                step("imatrix")
-                ctx = imatrix_context(artifact)
-                imatrix = compute_imatrix(nbl_path, calibration_texts(args, artifact, ctx), tmp / "imatrix.gguf",
-                                          ctx=ctx, chunks=args.imatrix_chunks, threads=args.threads, seed=args.seed)
+            # 2. stock conversion
+            step(steps[1])
+            model_dir = source.hf_folder()
+            intermediate = quant.lower() if quant in FLOAT_OUTPUTS else args.intermediate
+            stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
+            progress.update()
+
+            # 3. NBL rewrite
+            step(steps[2])
+            final_float = quant in FLOAT_OUTPUTS
+            nbl_path = output if final_float else tmp / f"nbl-{intermediate}.gguf"
+            nbl_format.write_nbl_gguf(stock, nbl_path, layers, weight_type=intermediate.upper())
+            progress.update()
+
+            # 4. quantization of both (the stock one only for the size comparison)
+            if final_float:
+                stock_final = stock
+            else:
+                imatrix = None
+                if args.imatrix:
+                    step("imatrix")
+                    ctx = imatrix_context(artifact)
+                    imatrix = compute_imatrix(nbl_path, calibration_texts(args, artifact, ctx), tmp / "imatrix.gguf",
+                                              ctx=ctx, chunks=args.imatrix_chunks, threads=args.threads, seed=args.seed)
+                    progress.update()
+                step("quantize stock")
+                stock_final = quantize(stock, tmp / f"stock-{quant}.gguf", quant, threads=args.threads)
                 progress.update()
-            step("quantize stock")
-            stock_final = quantize(stock, tmp / f"stock-{quant}.gguf", quant, threads=args.threads)
-            progress.update()
-            step("quantize NBL")
-            quantize(nbl_path, output, quant, imatrix=imatrix, threads=args.threads)
-            progress.update()
+                step("quantize NBL")
+                quantize(nbl_path, output, quant, imatrix=imatrix, threads=args.threads)
+                progress.update()
         heldout = None
         if not args.no_eval:
             step("held-out perplexity")
@@ -455,12 +496,26 @@ def convert(args) -> Summary:
 
         stock_reader = gguf.GGUFReader(stock_final)
         kv_stock, kv_nbl = kv_bytes_per_token(stock_reader, types)
-        return Summary(heldout=heldout, 
-            model=artifact.report.get("model", {}).get("name") or model_dir.name, quant=quant, method=method,
+        return Summary(heldout=heldout, notes=notes,
+            model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=method,
             criterion=args.criterion, n_layer=n_layer, replaced=selected, scores=scores,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
             kv_stock=kv_stock, kv_nbl=kv_nbl, output=output,
         )
+
+
+def gguf_notes(source, weights: dict, requested: str | None) -> list[str]:
+    """What the summary says about a GGUF input: what was kept, and the NBL weights' types and why."""
+    notes = [f"stock: {source.path.name} itself; the NBL file keeps all its keys and every tensor but the "
+             f"replaced attention, byte for byte"]
+    by_type: dict[tuple, list[int]] = {}
+    for layer, weight in weights.items():
+        by_type.setdefault((weight.name, weight.instead_of, weight.reason), []).append(layer)
+    for (name, instead_of, reason), layers in by_type.items():
+        why = ("--nbl-type" if requested is not None else "their attn_output's type" if instead_of is None else
+               f"their attn_output's {instead_of} cannot hold the {source.n_embd} x {source.n_embd} matrix: {reason}")
+        notes.append(f"NBL weights: {name} in layers {', '.join(map(str, layers))} ({why})")
+    return notes
 
 
 def _default_permissions(path: Path) -> None:

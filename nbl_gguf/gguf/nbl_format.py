@@ -36,6 +36,10 @@ ATTENTION_TENSOR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output
                           "post_attention_norm")
 # GGUF architectures whose graph the patched llama.cpp builds with NBL layers (llm_arch_supports_nbl)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
+FLOAT_WEIGHT_TYPES = ("F32", "F16", "BF16")
+# W's type when the one it would inherit (its layer's attn_output) cannot hold an n_embd x n_embd
+# matrix: q8_0 keeps W within about 0.5% at a quarter of F32's bytes; F16 when even its blocks do not fit
+FALLBACK_WEIGHT_TYPES = ("Q8_0", "F16")
 
 
 @dataclass
@@ -87,13 +91,88 @@ def atomic_output(path: Path):
     return Path(tmp)
 
 
-def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers, weight_type: str | None = None) -> Path:
-    """Rewrite the stock GGUF ``src`` into the NBL GGUF ``dst``.
+@dataclass(frozen=True)
+class WeightType:
+    """The ggml type of one layer's W, and why it is not its attn_output's type when it is not."""
 
-    Every key and tensor is copied, except the attention tensors of replaced layers; the layer-type
-    key, the provenance keys and the NBL tensors are added. ``weight_type`` ("F32", "F16", "BF16")
-    stores W; by default it follows the file's attn_output tensors, F32 when those are quantized.
-    Biases are always F32. The output appears only once it is complete.
+    name: str  # gguf.GGMLQuantizationType name: Q4_K, Q8_0, F16, ...
+    instead_of: str | None = None
+    reason: str | None = None
+
+
+def weight_type_problem(name: str, n_embd: int) -> str | None:
+    """Why type ``name`` cannot store W [n_embd, n_embd], or None when it can."""
+    import gguf
+
+    if name in FLOAT_WEIGHT_TYPES:
+        return None
+    from nbl_gguf.llamacpp import ggml
+
+    if name not in ggml.QUANTIZERS:
+        return "ggml has no quantizer for it"
+    if name in ggml.NEEDS_IMATRIX:
+        return "it needs an importance matrix"
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][0]
+    if n_embd % block:
+        return f"rows of {n_embd} are not a multiple of its blocks of {block}"
+    return None
+
+
+def parse_weight_type(text: str, n_embd: int) -> str:
+    """``--nbl-type``: a ggml tensor type (any case) that can hold W, else an NblError saying why not."""
+    import gguf
+
+    from nbl_gguf.llamacpp import ggml
+
+    name = text.strip().upper()
+    usable = [t.lower() for t in ggml.QUANTIZERS if weight_type_problem(t, n_embd) is None]
+    if name not in gguf.GGMLQuantizationType.__members__:
+        mix = f" ({text} is a llama-quantize file type: a mix of tensor types)" \
+            if f"MOSTLY_{name}" in gguf.LlamaFileType.__members__ else ""
+        raise NblError(f"--nbl-type {text}: not a ggml tensor type{mix}; for n_embd {n_embd} use one of "
+                       f"{', '.join(usable)}")
+    problem = weight_type_problem(name, n_embd)
+    if problem:
+        raise NblError(f"--nbl-type {text} cannot hold the {n_embd} x {n_embd} NBL weight: {problem}; "
+                       f"use one of {', '.join(usable)}")
+    return name
+
+
+def weight_types(src, layers: NblLayers, requested: str | None = None) -> dict[int, WeightType]:
+    """W's type for each linear layer of ``layers`` written into ``src`` (a path or an open GGUFReader):
+    ``requested`` for all, or by default the type of that layer's attn_output (a fallback where that
+    cannot hold W)."""
+    import gguf
+
+    reader = src if isinstance(src, gguf.GGUFReader) else gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    n_embd = int(reader.fields[f"{arch}.embedding_length"].contents())
+    if requested is not None:
+        name = parse_weight_type(requested, n_embd)
+        return {layer: WeightType(name) for layer in sorted(layers.linear)}
+    attn_output = {layer_of(t.name): t.tensor_type.name for t in reader.tensors if t.name.endswith(".attn_output.weight")}
+    chosen = {}
+    for layer in sorted(layers.linear):
+        own = attn_output.get(layer, "F32")
+        problem = weight_type_problem(own, n_embd)
+        if problem is None:
+            chosen[layer] = WeightType(own)
+        else:
+            fallback = next(t for t in FALLBACK_WEIGHT_TYPES if weight_type_problem(t, n_embd) is None)
+            chosen[layer] = WeightType(fallback, own, problem)
+    return chosen
+
+
+def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
+                   weight_type: str | Mapping[int, WeightType] | None = None) -> Path:
+    """Rewrite the GGUF ``src`` (a stock conversion, or any model GGUF, quantized or not) into the NBL
+    GGUF ``dst``.
+
+    Every key is kept and every tensor copied as it is (its bytes and type), except the attention
+    tensors of replaced layers; the layer-type key, the provenance keys and the NBL tensors are added.
+    ``weight_type`` (a ggml type name: "F16", "Q8_0", "Q4_K", ..., or weight_types()' answer) stores W;
+    by default each W takes the type of its layer's attn_output (weight_types()). Biases are always F32. The output appears only
+    once it is complete.
     """
     import gguf
 
@@ -110,7 +189,9 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers, weight_t
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
     n_embd = int(reader.fields[f"{arch}.embedding_length"].contents())
     layers.validate(n_layer, n_embd)
-    qtype = _weight_qtype(reader, weight_type)
+    types = weight_type if isinstance(weight_type, Mapping) else weight_types(reader, layers, weight_type)
+    if set(types) != set(layers.linear):
+        raise NblError(f"NBL weight types given for layers {sorted(types)}, linear layers are {sorted(layers.linear)}")
 
     tensors: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]] = []
     emitted: set[int] = set()
@@ -120,7 +201,8 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers, weight_t
             # the NBL tensors take the place of the first attention tensor, keeping the file's order
             if layer not in emitted and layers.types[layer] == LINEAR:
                 weight, bias = layers.linear[layer]
-                tensors.append((NBL_WEIGHT.format(layer=layer), gguf.quants.quantize(weight.astype(np.float32), qtype), qtype))
+                qtype = gguf.GGMLQuantizationType[types[layer].name]
+                tensors.append((NBL_WEIGHT.format(layer=layer), _quantize(weight, qtype), qtype))
                 tensors.append((NBL_BIAS.format(layer=layer), bias.astype(np.float32), gguf.GGMLQuantizationType.F32))
             emitted.add(layer)
             continue
@@ -132,6 +214,7 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers, weight_t
     tmp = atomic_output(dst)
     try:
         writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
+        writer.data_alignment = reader.alignment  # general.alignment, when the source has it, is copied below
         for reader_field in reader.fields.values():
             if reader_field.name == gguf.Keys.General.ARCHITECTURE or reader_field.name.startswith("GGUF."):
                 continue
@@ -167,25 +250,21 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers, weight_t
     return dst
 
 
+def _quantize(weight: np.ndarray, qtype) -> np.ndarray:
+    """W as stored: float types by gguf-py, the others by ggml's quantizers (as llama-quantize does)."""
+    import gguf
+
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    if qtype.name in FLOAT_WEIGHT_TYPES:
+        return gguf.quants.quantize(weight, qtype)
+    from nbl_gguf.llamacpp import ggml
+
+    return ggml.quantize(weight, int(qtype), qtype.name)
+
+
 def layer_of(name: str) -> int | None:
     """The block index of a tensor name such as blk.3.attn_q.weight, None for other tensors."""
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
         return int(parts[1])
     return None
-
-
-def _weight_qtype(reader, weight_type: str | None):
-    import gguf
-
-    float_types = {"F32", "F16", "BF16"}
-    if weight_type is None:
-        for tensor in reader.tensors:
-            if tensor.name.endswith("attn_output.weight"):
-                weight_type = tensor.tensor_type.name if tensor.tensor_type.name in float_types else "F32"
-                break
-        else:
-            weight_type = "F32"
-    if weight_type.upper() not in float_types:
-        raise NblError(f"NBL weight type {weight_type!r} is not one of {sorted(float_types)}: quantize afterwards")
-    return gguf.GGMLQuantizationType[weight_type.upper()]

@@ -54,13 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep = parser.add_argument_group("sweep (--sweep)")
     sweep.add_argument("--sweep", action="store_true",
                        help="baseline, Attn NBL-m, Attn DROP-m (GGUF and PyTorch) and Block NBL-m (PyTorch) for each m")
-    sweep.add_argument("--model", default=None, help="HF model (default: embedded SmolLM2-135M-Instruct)")
+    sweep.add_argument("--model", default=None,
+                       help="HF model or GGUF file (default: embedded SmolLM2-135M-Instruct); a GGUF is the baseline "
+                            "itself and each configuration the NBL surgery on it, in its own types")
     sweep.add_argument("--calibration", default=None, metavar="ARTIFACT",
                        help="calibration artifact to use (default: calibrate once into the work dir)")
     sweep.add_argument("--nsamples", type=int, default=32, help="calibration windows when calibrating (default: 32)")
     sweep.add_argument("--seqlen", type=int, default=512, help="calibration window length (default: 512)")
     sweep.add_argument("--m", type=int, nargs="+", default=[2, 4, 8, 12], help="layers replaced (default: 2 4 8 12)")
-    sweep.add_argument("--quant", nargs="+", default=["q8_0", "q4_k_m"], help="GGUF types (default: q8_0 q4_k_m)")
+    sweep.add_argument("--quant", nargs="+", default=None,
+                       help="GGUF types of a HF model (default: q8_0 q4_k_m; not with a GGUF --model)")
     sweep.add_argument("--methods", nargs="+", default=["attn-nbl", "attn-drop", "block-nbl"],
                        choices=["attn-nbl", "attn-drop", "block-nbl"], help="methods (default: all three)")
     sweep.add_argument("--criterion", default=DEFAULT_CRITERION, choices=("best",) + CRITERIA,

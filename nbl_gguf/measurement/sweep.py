@@ -3,7 +3,8 @@ vs Block NBL-m (PyTorch only: the GGUF format has no block-level type), for a li
 
 One calibration artifact serves every configuration. The stock model is converted to an F32 GGUF
 once; each configuration is the NBL rewrite of it (nbl_format.write_nbl_gguf, as `convert` does),
-quantized with llama-quantize. Results are cached in the work dir under a key of everything that
+quantized with llama-quantize. A GGUF --model is its own stock file and each configuration the NBL
+surgery on it (its own types; the NBL weights in their attn_output's type, as `convert` does). Results are cached in the work dir under a key of everything that
 determines them, so an interrupted sweep resumes where it stopped. The tables, CSV and plot are written by sweep_report.
 """
 
@@ -22,6 +23,8 @@ from pathlib import Path
 from nbl_gguf.calibration.artifact import CRITERIA, LOCAL_DEFAULT
 from nbl_gguf.errors import NblError
 from nbl_gguf.measurement.sweep_report import METHOD_LABELS, collect_rows, plot, write_csv, write_markdown
+
+DEFAULT_QUANTS = ("q8_0", "q4_k_m")  # of a HF model; a GGUF model is measured in its own types
 
 
 @dataclass
@@ -94,7 +97,7 @@ def _log(message: str) -> None:
 
 # --- inputs --------------------------------------------------------------------------------------
 
-def get_calibration(args, model_dir: Path, work: Path):
+def get_calibration(args, source, work: Path):
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.gguf.convert import calibrate_into
 
@@ -102,6 +105,7 @@ def get_calibration(args, model_dir: Path, work: Path):
         if not Path(args.calibration).is_dir():
             raise NblError(f"--calibration {args.calibration}: no such artifact directory")
         return load_artifact(args.calibration)
+    model_dir = source.hf_folder()
     target = work / f"calibration-{args.nsamples}x{args.seqlen}"
     if target.is_dir():
         artifact = load_artifact(target)
@@ -195,15 +199,18 @@ def build_configs(artifact, args, n_layer: int, best: dict | None = None) -> tup
 # --- GGUFs ----------------------------------------------------------------------------------------
 
 class GgufFactory:
-    """Stock F32 conversion once; per configuration the NBL rewrite and llama-quantize."""
+    """Stock F32 conversion once; per configuration the NBL rewrite and llama-quantize. Given a GGUF
+    file (``gguf``, a model_source.GgufFile), that file is the stock and each configuration is the
+    surgery on it."""
 
-    def __init__(self, model_dir: Path, artifact, directory: Path, threads: int | None):
-        self.model_dir = model_dir
+    def __init__(self, source, artifact, directory: Path, threads: int | None):
+        self.source = source  # model_source.ModelSource
+        self.gguf = source.gguf
         self.artifact = artifact
         self.directory = directory
         self.threads = threads
         directory.mkdir(parents=True, exist_ok=True)
-        self._stock = None
+        self._stock = None if self.gguf is None else self.gguf.path
 
     @property
     def stock(self) -> Path:
@@ -213,7 +220,7 @@ class GgufFactory:
             path = self.directory / "stock-f32.gguf"
             if not path.is_file():
                 _log("stock F32 conversion")
-                convert_hf_to_gguf(self.model_dir, path, "f32")
+                convert_hf_to_gguf(self.source.hf_folder(), path, "f32")
             self._stock = path
         return self._stock
 
@@ -223,14 +230,17 @@ class GgufFactory:
         from nbl_gguf.gguf.quantize import quantize
 
         target = self.directory / f"{config.key}-{quant.lower()}.gguf"
+        if config.method == "baseline" and self.gguf is not None:
+            return self.stock
         if target.is_file():
             return target
         if config.method == "baseline":
             source = self.stock
         else:
-            source = self.directory / f"{config.key}-f32.gguf"
+            # a GGUF input's surgery is final; a stock conversion's rewrite is F32, quantized below
+            source = target if self.gguf is not None else self.directory / f"{config.key}-f32.gguf"
             if not source.is_file():
-                _log(f"NBL rewrite {config.key}")
+                _log(f"NBL {'surgery' if self.gguf is not None else 'rewrite'} {config.key}")
                 n_layer = self.artifact.num_layers
                 code = nbl_format.LINEAR if config.method == "attn-nbl" else nbl_format.DROPPED
                 types = [code if i in config.layers else nbl_format.ATTENTION for i in range(n_layer)]
@@ -238,15 +248,16 @@ class GgufFactory:
                 layers = nbl_format.NblLayers(types=types, linear=linear, method=config.method,
                                             criterion=config.criterion,
                                             scores=[float(s) for s in self.artifact.scores(config.criterion, "attn")],
-                                            calibration=provenance(self.artifact, self.model_dir))
-                nbl_format.write_nbl_gguf(self.stock, source, layers, weight_type="F32")
-        if quant.upper() == "F32":
+                                            calibration=provenance(self.artifact, Path(self.source.name), gguf=self.gguf))
+                nbl_format.write_nbl_gguf(self.stock, source, layers,
+                                          weight_type=None if self.gguf is not None else "F32")
+        if quant.upper() == "F32" or self.gguf is not None:
             return source
         _log(f"llama-quantize {config.key} -> {quant}")
         return quantize(source, target, quant, threads=self.threads)
 
     def drop_intermediates(self, config: Config) -> None:
-        if config.method != "baseline":
+        if config.method != "baseline" and self.gguf is None:
             (self.directory / f"{config.key}-f32.gguf").unlink(missing_ok=True)
 
 
@@ -275,24 +286,36 @@ def bench_pair(baseline: Path, model: Path, bench_args: str, threads: int | None
 def run_sweep(args) -> int:
     import gguf as gguf_py
 
-    from nbl_gguf.gguf.convert import check_quant, model_shape, resolve_model_dir
+    from nbl_gguf.gguf import nbl_format
+    from nbl_gguf.gguf.convert import check_quant, model_shape
     from nbl_gguf.gguf.hf_to_gguf import check_hf_folder
     from nbl_gguf.gguf.inspect import kv_bytes_per_token
+    from nbl_gguf.model_source import is_gguf_file, resolve_model
     from nbl_gguf.measurement.perplexity import evaluate
     from nbl_gguf.measurement.tasks import _task_files, check_text
     from nbl_gguf.calibration.dataset import write_heldout_text
     from nbl_gguf.measurement.torch_ppl import llama_tokens, prompt_text, torch_perplexity
 
     started = time.time()
-    quants = [check_quant(q) for q in args.quant]
-    if not quants:
-        raise NblError("--quant: give at least one type")
-    model_dir = resolve_model_dir(args.model)
-    check_hf_folder(model_dir)
-    n_layer, _ = model_shape(model_dir)
+    gguf_input = is_gguf_file(args.model)
+    if gguf_input and args.quant is not None:
+        raise NblError(f"--quant means nothing for a GGUF --model: every configuration keeps the types of "
+                       f"{Path(args.model).name} (the NBL weights take their layer's attn_output type)")
+    if not gguf_input:
+        quants = [check_quant(q) for q in (DEFAULT_QUANTS if args.quant is None else args.quant)]
+        if not quants:
+            raise NblError("--quant: give at least one type")
+    source = resolve_model(args.model, runnable=nbl_format.SUPPORTED_ARCHITECTURES if gguf_input else None,
+                           calibrating=not args.calibration or not args.no_pytorch)
+    if source.gguf is not None:
+        quants = [source.gguf.file_type]
+        n_layer = source.gguf.n_layer
+    else:
+        check_hf_folder(source.hf_folder())
+        n_layer, _ = model_shape(source.hf_folder())
     for m in list(args.m) + ([args.criteria_m] if args.criteria_m else []):
         if not 0 < m <= n_layer:
-            raise NblError(f"--m {m} is out of range: {model_dir.name} has {n_layer} layers")
+            raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
     task_files = _task_files(args)
     # absolute: the pinned converter runs in its own directory (hf_to_gguf passes paths through)
     work = Path(args.work).resolve()
@@ -308,11 +331,11 @@ def run_sweep(args) -> int:
     else:
         text_file = write_heldout_text(work / "heldout.txt")
 
-    artifact = get_calibration(args, model_dir, work)
+    artifact = get_calibration(args, source, work)
     if artifact.num_layers != n_layer:
-        raise NblError(f"the calibration has {artifact.num_layers} layers but {model_dir.name} has {n_layer}")
+        raise NblError(f"the calibration has {artifact.num_layers} layers but {source.name} has {n_layer}")
     calib_tag = _file_sha(artifact.path / "report.json")
-    factory = GgufFactory(model_dir, artifact, work / f"gguf-{calib_tag}", args.threads)
+    factory = GgufFactory(source, artifact, work / f"gguf-{calib_tag}", args.threads)
     cache = Cache(work / "results.json", args.fresh)
     best = None
     if args.criterion == "best":
@@ -332,7 +355,8 @@ def run_sweep(args) -> int:
     jobs: dict[str, tuple[Config, list[str]]] = {}
     for config in main:
         if config.gguf:
-            jobs[config.key] = (config, (["F32"] if config.method == "baseline" else []) + quants)
+            stock_f32 = config.method == "baseline" and source.gguf is None
+            jobs[config.key] = (config, (["F32"] if stock_f32 else []) + quants)
     for config in criteria:
         jobs.setdefault(config.key, (config, [quants[0]]))
     results: dict[tuple[str, str], dict] = {}
@@ -394,7 +418,7 @@ def run_sweep(args) -> int:
                     torch.manual_seed(0)
                     if args.threads:
                         torch.set_num_threads(args.threads)
-                    loaded = load_model(str(model_dir), "fp32", "cpu")
+                    loaded = load_model(str(source.hf_folder()), "fp32", "cpu", name=source.name)
                     tokens, bos = llama_tokens(factory.stock, prompt_text(text_file))
                 from nbl_gguf.calibration.apply import apply_nbl
 
@@ -413,7 +437,7 @@ def run_sweep(args) -> int:
     setup = {
         "command": "python -m nbl_gguf eval " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         if len(sys.argv) > 1 and sys.argv[1] == "eval" else None,
-        "model": model_dir.name, "n_layer": n_layer, "artifact": artifact.report,
+        "model": source.name, "n_layer": n_layer, "artifact": artifact.report,
         "text": str(args.text) if args.text else "held-out C4 (bundled sample, last 44 documents)",
         "ctx": args.ctx_size, "quants": quants, "criteria_m": args.criteria_m, "criterion": args.criterion,
         "bench_args": None if args.no_bench else args.bench_args, "threads": args.threads,
