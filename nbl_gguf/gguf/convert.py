@@ -23,6 +23,11 @@ from nbl_gguf.calibration.calibrate import add_dataset_arguments, add_selection_
 from nbl_gguf.errors import NblError
 
 METHODS = ("attn-nbl", "attn-drop")
+# --runtime: which llama.cpp runs the file, and so its layout (docs/gguf-format.md)
+RUNTIMES = {
+    "nbl": "NBL layout: runs on the patched llama.cpp (build/)",
+    "stock": "stock layout (deci architecture, bias-free maps): runs on any llama.cpp build, unmodified",
+}
 FLOAT_OUTPUTS = ("F32", "F16", "BF16")
 DEFAULT_QUANT = "q4_k_m"
 # the summary's held-out perplexity: a small slice, so that it costs seconds on a small model
@@ -37,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", default=DEFAULT_QUANT,
                         help="output type: any llama-quantize type (q4_k_m, q5_k_m, q8_0, ...) or f32/f16/bf16 "
                              f"(default: {DEFAULT_QUANT})")
+    parser.add_argument("--runtime", default="nbl", choices=list(RUNTIMES),
+                        help="nbl (default): the NBL layout, W x + b, for the patched llama.cpp; stock: llama.cpp's "
+                             "deci architecture with bias-free maps, which unmodified builds run (llama, mistral)")
     parser.add_argument("--method", default="attn-nbl",
                         help="attn-nbl (attention -> W x + b) or attn-drop (attention removed); "
                              "block-nbl is evaluated in PyTorch only")
@@ -257,6 +265,23 @@ def calibration_texts(args, artifact, ctx: int) -> list[str]:
     return texts
 
 
+def linear_map(artifact, layer: int, runtime: str):
+    """(W, b) for a linear layer: the fit with bias for the NBL layout, the bias-free one (b = 0) for the
+    stock layout, whose slot has no bias."""
+    if runtime == "stock":
+        import numpy as np
+
+        weight = artifact.linear_without_bias(layer)
+        return weight, np.zeros(weight.shape[0], dtype=np.float32)
+    return artifact.linear(layer, "attn")
+
+
+def writer(runtime: str):
+    from nbl_gguf.gguf import nbl_format, stock_layout
+
+    return {"nbl": nbl_format.write_nbl_gguf, "stock": stock_layout.write_stock_gguf}[runtime]
+
+
 # --- summary -----------------------------------------------------------------------------------
 
 @dataclass
@@ -274,6 +299,7 @@ class Summary:
     kv_nbl: int
     output: Path
     heldout: dict | None = None  # heldout_perplexities(), or None with --no-eval
+    runtime: str = "nbl"
     extra: dict = field(default_factory=dict)
 
     def table(self) -> str:
@@ -308,6 +334,7 @@ class Summary:
         if self.heldout:
             lines.append(f"  held-out perplexity: llama-perplexity, {self.heldout['chunks']} chunks of "
                          f"{self.heldout['ctx']} tokens of the bundled C4 documents never used for calibration")
+        lines.append(f"  layout: {RUNTIMES[self.runtime]}")
         lines.append(f"  output: {self.output}")
         return "\n".join(lines)
 
@@ -335,6 +362,11 @@ def convert(args) -> Summary:
     model_dir = resolve_model_dir(args.model)
     check_hf_folder(model_dir)
     n_layer, hidden = model_shape(model_dir)
+    if args.runtime == "stock":
+        from nbl_gguf.gguf.stock_layout import check_source_model_type
+
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        check_source_model_type(config.get("model_type"))
     m, _ = selection_budget(args.m, args.max_ppl_increase)
     if m is not None and not 0 <= m <= n_layer:
         raise NblError(f"--m {m} is out of range: {model_dir.name} has {n_layer} layers")
@@ -374,7 +406,7 @@ def convert(args) -> Summary:
         scores = [float(s) for s in artifact.scores(args.criterion, "attn")] if args.criterion in CRITERIA else None
         layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
         types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
-        linear = {i: artifact.linear(i, "attn") for i in selected if layer_type == nbl_format.LINEAR}
+        linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
         progress.update()
 
         # 2. stock conversion
@@ -389,7 +421,7 @@ def convert(args) -> Summary:
                                     scores=scores, calibration=provenance(artifact, model_dir, selected))
         final_float = quant in FLOAT_OUTPUTS
         nbl_path = output if final_float else tmp / f"nbl-{intermediate}.gguf"
-        nbl_format.write_nbl_gguf(stock, nbl_path, layers, weight_type=intermediate.upper())
+        writer(args.runtime)(stock, nbl_path, layers, weight_type=intermediate.upper())
         progress.update()
 
         # 4. quantization of both (the stock one only for the size comparison)
@@ -423,7 +455,7 @@ def convert(args) -> Summary:
             model=artifact.report.get("model", {}).get("name") or model_dir.name, quant=quant, method=method,
             criterion=args.criterion, n_layer=n_layer, replaced=selected, scores=scores,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
-            kv_stock=kv_stock, kv_nbl=kv_nbl, output=output,
+            kv_stock=kv_stock, kv_nbl=kv_nbl, output=output, runtime=args.runtime,
         )
 
 

@@ -22,8 +22,14 @@ from nbl_gguf.gguf.nbl_format import (
     layer_of,
     read_layer_types,
 )
+from nbl_gguf.gguf.stock_layout import read_stock_layer_types
 
 KV_BYTES = 2  # the KV cache is F16 by default in llama.cpp
+LAYOUTS = {
+    "stock": "stock GGUF (no NBL layers)",
+    "nbl": "NBL (patched llama.cpp)",
+    "stock-layout": "NBL stock layout (deci)",
+}
 GGUF_MAGIC = b"GGUF"
 
 
@@ -89,11 +95,32 @@ def kv_bytes_per_layer(reader) -> list[int]:
 def kv_bytes_per_token(reader, layer_types=None) -> tuple[int, int]:
     """(stock, this file) KV cache bytes per token: 2 * n_head_kv * head_dim * 2 bytes per attention layer."""
     per_layer = kv_bytes_per_layer(reader)
-    types = layer_types if layer_types is not None else read_layer_types(reader)
-    stock = sum(per_layer)
+    types = layer_types if layer_types is not None else file_layer_types(reader)
     if types is None:
-        return stock, stock
-    return stock, sum(b for b, t in zip(per_layer, types) if t == ATTENTION)
+        return sum(per_layer), sum(per_layer)
+    attention = [b for b, t in zip(per_layer, types) if t == ATTENTION]
+    if read_stock_layer_types(reader) is not None:
+        # the stock layout keeps no heads for replaced layers; llama-family models have the same heads
+        # in every layer, so the unreplaced model's layers each cost what an attention layer costs
+        per_layer = [max(attention, default=0)] * len(per_layer)
+    return sum(per_layer), sum(attention)
+
+
+def file_layer_types(reader) -> list[int] | None:
+    """The NBL layer types of either layout, or None for a stock GGUF."""
+    types = read_layer_types(reader)
+    return types if types is not None else read_stock_layer_types(reader)
+
+
+def layout(reader) -> tuple[str, bool]:
+    """(the file's layout, whether an unmodified llama.cpp build runs it)."""
+    if read_stock_layer_types(reader) is not None:
+        return LAYOUTS["stock-layout"], True
+    types = read_layer_types(reader)
+    if types is not None:
+        # a stock build ignores the key and then misses the attention tensors of the replaced layers
+        return LAYOUTS["nbl"], all(t == ATTENTION for t in types)
+    return LAYOUTS["stock"], True
 
 
 def describe(path: str | os.PathLike) -> dict:
@@ -103,7 +130,8 @@ def describe(path: str | os.PathLike) -> dict:
     path = Path(path)
     reader, arch = open_model_gguf(path)
     n_layer = int(_field(reader, f"{arch}.block_count", 0))
-    types = read_layer_types(reader)
+    types = file_layer_types(reader)
+    layout_name, stock_runs = layout(reader)
     scores = _field(reader, SCORES_KEY)
     calibration = _field(reader, CALIBRATION_KEY)
     if calibration is not None:
@@ -150,6 +178,8 @@ def describe(path: str | os.PathLike) -> dict:
         "name": _field(reader, "general.name"),
         "file_type": file_type_name,
         "nbl": types is not None,
+        "layout": layout_name,
+        "stock_llama_cpp_runs_it": stock_runs,
         "block_count": n_layer,
         "embedding_length": _field(reader, f"{arch}.embedding_length"),
         "method": _field(reader, METHOD_KEY),
@@ -187,6 +217,8 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
     out.append(f"file:          {info['file']}  ({human_bytes(info['file_bytes'])})")
     out.append(f"model:         {info['name'] or '?'}  (architecture {info['architecture']}, file type {info['file_type']}, "
                f"{info['block_count']} layers, n_embd {info['embedding_length']})")
+    runs = "yes" if info["stock_llama_cpp_runs_it"] else "no (needs the patched llama.cpp)"
+    out.append(f"layout:        {info['layout']}; a stock llama.cpp build runs it: {runs}")
     if info["nbl"]:
         rep = info["replaced"]
         out.append(f"NBL:           {rep['linear'] + rep['dropped']} of {info['block_count']} attention layers replaced "
