@@ -333,12 +333,17 @@ def test_inspect_reports_the_layout(source, tmp_path, capsys):
             (deci, "NBL stock layout (deci)", True, 2 * per_layer)):
         info = describe(path)
         assert (info["layout"], info["stock_llama_cpp_runs_it"]) == (layout, stock_runs)
-        assert info["kv_bytes_per_token"] == {"stock": N_LAYER * per_layer, "file": file_kv}
+        kv = info["kv_bytes_per_token"]
+        assert (kv["stock"], kv["file"]) == (N_LAYER * per_layer, file_kv)
+        # flash attention off: K of the attention layers, V of all of them (measured in the KV test above)
+        assert kv.get("file_flash_attention_off") == (2 * per_layer // 2 + N_LAYER * per_layer // 2
+                                                      if path == deci else None)
         if path != stock_f32:
             assert [layer["type"] for layer in info["layers"]] == ["attention", "linear", "attention", "dropped"]
     assert cli.main(["inspect", str(deci)]) == 0
     out = capsys.readouterr().out
     assert "layout:        NBL stock layout (deci); a stock llama.cpp build runs it: yes" in out
+    assert "without it 384 (75.0%): llama.cpp pads the V cache of the replaced layers" in out
 
 
 def test_other_architectures_are_refused_by_name(tmp_path, capsys):

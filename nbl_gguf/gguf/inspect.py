@@ -78,18 +78,32 @@ def _per_layer(value, n_layer: int) -> list[int]:
 
 def kv_bytes_per_layer(reader) -> list[int]:
     """Bytes per token of each layer's K and V cache (F16) if the layer keeps its attention."""
+    return [k + v for k, v in zip(*kv_widths(reader))]
+
+
+def kv_widths(reader) -> tuple[list[int], list[int]]:
+    """Bytes per token of each layer's K cache and of its V cache (F16), from the file's head counts."""
     arch = str(_field(reader, "general.architecture"))
     n_layer = int(_field(reader, f"{arch}.block_count"))
     n_embd = int(_field(reader, f"{arch}.embedding_length"))
     n_head = _per_layer(_field(reader, f"{arch}.attention.head_count"), n_layer)
     n_head_kv = _per_layer(_field(reader, f"{arch}.attention.head_count_kv", _field(reader, f"{arch}.attention.head_count")), n_layer)
-    result = []
+    k_bytes, v_bytes = [], []
     for layer in range(n_layer):
         head_dim = n_embd // n_head[layer] if n_head[layer] else 0
         k_len = int(_field(reader, f"{arch}.attention.key_length", head_dim))
         v_len = int(_field(reader, f"{arch}.attention.value_length", head_dim))
-        result.append(n_head_kv[layer] * (k_len + v_len) * KV_BYTES)
-    return result
+        k_bytes.append(n_head_kv[layer] * k_len * KV_BYTES)
+        v_bytes.append(n_head_kv[layer] * v_len * KV_BYTES)
+    return k_bytes, v_bytes
+
+
+def stock_layout_kv_without_flash_attention(reader) -> int:
+    """KV bytes per token of a stock-layout file when flash attention is off: llama.cpp keeps every
+    deci layer in the cache and, with V stored transposed, pads each layer's V to the widest, so the
+    replaced layers lose only their K (docs/gguf-format.md, "Stock layout")."""
+    k_bytes, v_bytes = kv_widths(reader)
+    return sum(k_bytes) + len(v_bytes) * max(v_bytes, default=0)
 
 
 def kv_bytes_per_token(reader, layer_types=None) -> tuple[int, int]:
@@ -188,7 +202,9 @@ def describe(path: str | os.PathLike) -> dict:
         "layers": layers,
         "replaced": {name: sum(1 for e in layers if e["type"] == name) for name in ("linear", "dropped")},
         "attention_layers": attention_layers,
-        "kv_bytes_per_token": {"stock": kv_stock, "file": kv_file},
+        "kv_bytes_per_token": {"stock": kv_stock, "file": kv_file, **(
+            {"file_flash_attention_off": stock_layout_kv_without_flash_attention(reader)}
+            if read_stock_layer_types(reader) is not None else {})},
         "tensor_types": dict(sorted(by_type.items())),
         "tensor_count": len(tensors),
         "tensors": tensors,
@@ -233,6 +249,10 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
     kv = info["kv_bytes_per_token"]
     ratio = kv["file"] / kv["stock"] if kv["stock"] else 1.0
     out.append(f"KV cache:      {kv['file']:,} bytes/token (F16)  vs stock {kv['stock']:,}  ({ratio:.1%})")
+    if "file_flash_attention_off" in kv:
+        off = kv["file_flash_attention_off"]
+        out.append(f"               with flash attention; without it {off:,} ({off / kv['stock']:.1%}): "
+                   f"llama.cpp pads the V cache of the replaced layers")
     out.append("")
     out.append("layer  type       score     attention tensors (other tensors of the layer)")
     for layer in info["layers"]:
