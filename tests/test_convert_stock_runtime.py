@@ -223,7 +223,7 @@ def test_mixed_linear_and_dropped_layers(source, tmp_path):
     layer and a dropped one, through the writer directly."""
     import gguf
 
-    name, model_dir, _, artifact, stock_f32 = source
+    _, model_dir, _, artifact, stock_f32 = source
     types = [D, L, A, D]
     layers = nbl_format.NblLayers(types=types, linear=bias_free(artifact, [1]), method="mixed")
     output = stock_layout.write_stock_gguf(stock_f32, tmp_path / "mixed.gguf", layers)
@@ -243,13 +243,12 @@ def test_mixed_linear_and_dropped_layers(source, tmp_path):
     assert np.abs(reference_logits(model_dir, [A] * N_LAYER, None, tokens) - want).max() > 20 * TOLERANCE
 
 
+@pytest.mark.parametrize("source", ["llama"], indirect=True)  # once is enough
 def test_kv_cache_with_flash_attention_on_and_off(source, tmp_path):
     """K: the attention layers only. V: the attention layers only with flash attention; without it,
     llama.cpp keeps the V cache transposed and pads every layer's to the largest, so the replaced
     layers keep a full V cache."""
-    name, model_dir, artifact_dir, artifact, stock_f32 = source
-    if name != "llama":
-        pytest.skip("measured once")
+    _, model_dir, _, artifact, stock_f32 = source
     replaced = [1, 2]
     types = [L if i in replaced else A for i in range(N_LAYER)]
     output = stock_layout.write_stock_gguf(stock_f32, tmp_path / "stock-layout.gguf", nbl_format.NblLayers(
@@ -277,6 +276,7 @@ def test_kv_cache_with_flash_attention_on_and_off(source, tmp_path):
                                    pytest.approx(N_LAYER * layer_mib, abs=0.01)]
 
 
+@pytest.mark.parametrize("source", ["llama"], indirect=True)  # once is enough
 def test_quantized_source_and_output(source, tmp_path):
     """The writer copies a quantized source's tensors with their type and bytes; convert quantizes
     the deci file, and the stock library runs it."""
@@ -285,9 +285,7 @@ def test_quantized_source_and_output(source, tmp_path):
     from nbl_gguf.gguf.convert import convert
     from nbl_gguf.gguf.quantize import quantize
 
-    name, model_dir, artifact_dir, artifact, stock_f32 = source
-    if name != "llama":
-        pytest.skip("once is enough")
+    _, model_dir, artifact_dir, artifact, stock_f32 = source
     q8 = quantize(stock_f32, tmp_path / "stock-q8_0.gguf", "Q8_0")
     types = [A, L, A, D]
     output = stock_layout.write_stock_gguf(q8, tmp_path / "from-q8.gguf", nbl_format.NblLayers(
@@ -314,13 +312,12 @@ def test_quantized_source_and_output(source, tmp_path):
     assert np.abs(got["batch"] - want).max() < 0.05 * np.abs(want).max()  # q8_0 weights
 
 
+@pytest.mark.parametrize("source", ["llama"], indirect=True)  # once is enough
 def test_inspect_reports_the_layout(source, tmp_path, capsys):
     from nbl_gguf import cli
     from nbl_gguf.gguf.inspect import describe
 
-    name, model_dir, _, artifact, stock_f32 = source
-    if name != "llama":
-        pytest.skip("once is enough")
+    _, model_dir, _, artifact, stock_f32 = source
     types = [A, L, A, D]
     deci = stock_layout.write_stock_gguf(stock_f32, tmp_path / "deci.gguf", nbl_format.NblLayers(
         types=types, linear=bias_free(artifact, [1])))
@@ -340,6 +337,11 @@ def test_inspect_reports_the_layout(source, tmp_path, capsys):
                                                       if path == deci else None)
         if path != stock_f32:
             assert [layer["type"] for layer in info["layers"]] == ["attention", "linear", "attention", "dropped"]
+    # what inspect says of the NBL layout is what the stock library does with it
+    load = "from nbl_gguf.llamacpp import library; library.load_model(__import__('sys').argv[1], n_ctx=64)"
+    refused = subprocess.run([sys.executable, "-c", load, str(nbl)], capture_output=True, text=True,
+                             env={**os.environ, "LLAMA_CPP_LIB_PATH": str(stock_library())})
+    assert refused.returncode != 0 and "tensor 'blk.1.attn_q.weight' not found" in refused.stderr
     assert cli.main(["inspect", str(deci)]) == 0
     out = capsys.readouterr().out
     assert "layout:        NBL stock layout (deci); a stock llama.cpp build runs it: yes" in out
