@@ -26,8 +26,8 @@ METHODS = ("attn-nbl", "attn-drop")
 # --runtime: which llama.cpp runs the file, and so its layout (docs/gguf-format.md)
 RUNTIMES = {
     "nbl": "NBL layout: runs on the patched llama.cpp (build/)",
-    "stock": "stock layout (deci architecture, bias-free maps): runs on any llama.cpp build, unmodified; "
-             "the KV saving above needs flash attention (llama.cpp's -fa auto turns it on for CPU)",
+    "stock": "stock layout (deci architecture, bias-free maps): runs on unmodified llama.cpp builds (deci is upstream "
+             "since 2024-12); the KV saving above needs flash attention (llama.cpp's -fa auto turns it on for CPU)",
 }
 FLOAT_OUTPUTS = ("F32", "F16", "BF16")
 DEFAULT_QUANT = "q4_k_m"
