@@ -174,6 +174,20 @@ def test_calibrate_end_to_end_artifact(tiny_checkpoint):
     assert w.dtype == np.float32 and w.shape == (32, 32) and b.shape == (32,)
     np.testing.assert_allclose(w, coef[:-1].T, atol=1e-4)
     np.testing.assert_allclose(b, coef[-1], atol=1e-4)
+    # the bias-free map is least squares without intercept on the same activations
+    coef0, *_ = np.linalg.lstsq(x, y, rcond=None)
+    w0 = art.linear_without_bias(1)
+    assert w0.dtype == np.float32 and w0.shape == (32, 32)
+    np.testing.assert_allclose(w0, coef0.T, atol=1e-4)
+    residual = y - x @ coef0
+    assert report["layers"][1]["attn"]["nmse_nobias"] == pytest.approx(
+        np.sum(residual**2) / np.sum((y - y.mean(0)) ** 2), rel=1e-4)
+    assert report["layers"][1]["attn"]["nmse_nobias"] >= report["layers"][1]["attn"]["nmse"]
+
+    # an artifact from before the bias-free maps: the error says what to rerun
+    old = type(art)(art.path, art.report, {k: v for k, v in art.tensors.items() if "nobias" not in k})
+    with pytest.raises(NblError, match=r"has no bias-free attention maps \(attn.1.weight_nobias\).*run calibrate again"):
+        old.linear_without_bias(1)
 
     # And the reference model built from the artifact reproduces W x + b in that layer.
     apply_nbl(model, art.layer_types(), art)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.calibration.solve import canonical_correlations, fit, ranking, select_layers
+from nbl_gguf.calibration.solve import canonical_correlations, fit, fit_without_bias, ranking, select_layers
 from nbl_gguf.calibration.statistics import MomentAccumulator
 
 
@@ -37,6 +37,46 @@ def test_weight_and_bias_equal_least_squares_with_intercept():
         residual = y - design @ coef
         expected = np.sum((residual - residual.mean(0)) ** 2) / np.sum((y - y.mean(0)) ** 2)
         assert f.nmse == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_bias_free_weight_equals_least_squares_without_intercept():
+    rng = np.random.default_rng(6)
+    for d, noise in ((8, 0.0), (16, 0.3), (24, 1.0)):
+        x, y = random_pair(rng, 2000, d, noise)
+        m = moments_of(x, y)
+        f0 = fit_without_bias(m)
+        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        np.testing.assert_allclose(f0.weight.numpy(), coef.T, atol=1e-8, rtol=0)
+        assert f0.ridge == 0.0
+        # exact NMSE: the residual energy of that fit over the variance of Y (fit's denominator)
+        residual = y - x @ coef
+        expected = np.sum(residual**2) / np.sum((y - y.mean(0)) ** 2)
+        assert f0.nmse == pytest.approx(expected, rel=1e-9, abs=1e-12)
+        # random_pair has a bias and inputs with a mean: dropping the intercept costs something
+        assert f0.nmse > fit(m).nmse
+
+
+def test_bias_free_fit_costs_nothing_when_the_data_need_no_bias():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3000, 6)) + rng.standard_normal(6)  # inputs with a mean
+    w = rng.standard_normal((5, 6))
+    y = x @ w.T + 0.2 * rng.standard_normal((3000, 5))  # no intercept
+    m = moments_of(x, y)
+    with_bias, without = fit(m), fit_without_bias(m)
+    assert without.nmse >= with_bias.nmse - 1e-12
+    assert without.nmse == pytest.approx(with_bias.nmse, rel=2e-3)
+    np.testing.assert_allclose(without.weight.numpy(), w, atol=0.02)
+
+
+def test_bias_free_fit_of_singular_inputs_gets_a_ridge_and_an_exact_nmse():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((400, 5)) + 1.0
+    x = np.hstack([x, x[:, :1]])  # duplicated column: E[XX^T] singular
+    y = x[:, :3] @ rng.standard_normal((3, 4)) + 0.5 + 0.1 * rng.standard_normal((400, 4))
+    f0 = fit_without_bias(moments_of(x, y))
+    assert f0.ridge > 0 and np.isfinite(f0.weight.numpy()).all()
+    residual = y - x @ f0.weight.numpy().T  # the ridged weight's own error, not the unridged optimum's
+    assert f0.nmse == pytest.approx(np.sum(residual**2) / np.sum((y - y.mean(0)) ** 2), rel=1e-6)
 
 
 def test_canonical_correlations_match_qr_reference():

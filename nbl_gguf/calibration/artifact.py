@@ -1,7 +1,7 @@
 """The calibration artifact: a directory that later stages (convert, eval) read without the model.
 
-    nbl.safetensors  attn.{i}.weight/bias, block.{i}.weight/bias (float32, y = W x + b) for every
-                     layer, plus float64 means and canonical correlations (and covariances when
+    nbl.safetensors  attn.{i}.weight/bias, block.{i}.weight/bias (float32, y = W x + b) and
+                     attn.{i}.weight_nobias (y = W0 x) for every layer, plus float64 means and canonical correlations (and covariances when
                      calibrated with --save-covariances); no block.* when calibrated with --targets attn
     report.json      provenance, per-layer scores, ridge, ranking, selection, timings, versions
     scores.png       per-layer scores with the selection marked
@@ -28,6 +28,8 @@ SELECTIONS = ("best",) + CRITERIA + ("greedy",)
 DEFAULT_CRITERION = "best"
 LOCAL_DEFAULT = "cosine"  # the local criterion that plots and greedy's candidates start from
 TARGETS = ("attn", "block")
+# the attention map fitted without bias (W0 = E[YX^T] E[XX^T]^-1), for a runtime slot that has none
+NOBIAS_WEIGHT = "attn.{layer}.weight_nobias"
 METHOD_TARGET = {"attn-nbl": "attn", "attn-drop": "attn", "block-nbl": "block"}
 
 
@@ -78,6 +80,17 @@ class CalibrationArtifact:
         if not np.isfinite(tensor).all():
             raise NblError(f"the calibration in {self.path}: tensor {name} is not finite (NaN or inf)")
         return tensor
+
+    def linear_without_bias(self, layer: int) -> np.ndarray:
+        """W0 [d, d] float32 with y = W0 x: the attention map fitted without bias (uncentered moments),
+        for runtimes whose slot has no bias (stock llama.cpp's deci linear attention)."""
+        if not 0 <= layer < self.num_layers:
+            raise NblError(f"layer {layer} out of range (the model has {self.num_layers})")
+        name = NOBIAS_WEIGHT.format(layer=layer)
+        if name not in self.tensors:
+            raise NblError(f"the calibration in {self.path} has no bias-free attention maps ({name}): it was made "
+                           f"before they were added; run calibrate again (or convert without --calibration)")
+        return self.tensors[name]
 
     def scores(self, criterion: str = "cca", target: str = "attn") -> np.ndarray:
         if criterion not in CRITERIA:

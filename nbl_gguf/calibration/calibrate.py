@@ -183,11 +183,14 @@ def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, 
 
 
 def solve_all(attn, block, progress: bool = True):
-    """[(attention fit, block fit or None)] per layer; ``block`` may be empty."""
+    """[(attention fit, block fit or None)] per layer; ``block`` may be empty. Each attention fit
+    carries its bias-free map too (``without_bias``), for runtimes whose slot has no bias."""
+    import dataclasses
+
     import torch
     from tqdm import tqdm
 
-    from nbl_gguf.calibration.solve import fit
+    from nbl_gguf.calibration.solve import fit, fit_without_bias
 
     # Multithreaded LAPACK eigh/svd on a small matrix gains little and, on a busy CPU, its spinning
     # threads slowed it 10-200x in our measurements; one thread is fast and predictable there.
@@ -198,8 +201,10 @@ def solve_all(attn, block, progress: bool = True):
     try:
         fits = []
         for i in tqdm(range(len(attn)), desc="solve", unit="layer", disable=not progress):
-            fits.append((fit(attn[i].moments(), residual=True),
-                         fit(block[i].moments(), residual=False) if block else None))
+            moments = attn[i].moments()
+            attention = fit(moments, residual=True)
+            attention = dataclasses.replace(attention, without_bias=fit_without_bias(moments))
+            fits.append((attention, fit(block[i].moments(), residual=False) if block else None))
     finally:
         torch.set_num_threads(threads)
     return fits
@@ -354,6 +359,10 @@ def run(args: argparse.Namespace) -> int:
             if args.save_covariances:
                 for name in ("cxx", "cyx", "cyy"):
                     tensors[f"{target}.{i}.{name}"] = getattr(moments, name).cpu().numpy()
+        nobias = fa.without_bias
+        entry["attn"]["nmse_nobias"] = nobias.nmse
+        entry["attn"]["ridge_nobias"] = nobias.ridge
+        tensors[f"attn.{i}.weight_nobias"] = nobias.weight.float().cpu().numpy()
         layers.append(entry)
 
     with timer("selection"):

@@ -32,6 +32,17 @@ class LinearFit:
     nmse: float  # exact Tr(C_YY - W C_XY) / Tr(C_YY)
     cca_bound: float  # sum(1 - rho^2) between X and Y (+ X for attention)
     rho: torch.Tensor = field(repr=False)  # canonical correlations, descending
+    without_bias: "BiasFreeFit | None" = None  # the map for a slot without bias (solve_all adds it for attention)
+
+
+@dataclass
+class BiasFreeFit:
+    """y ~ weight @ x with no bias: what stock llama.cpp's deci "linear attention" layer computes."""
+
+    weight: torch.Tensor  # [dy, dx] float64
+    ridge: float
+    cond: float  # condition number of E[X X^T]
+    nmse: float  # exact E||Y - W X||^2 / Tr(C_YY): the same denominator as LinearFit.nmse, so the two compare
 
 
 def _check_tokens(m: Moments) -> None:
@@ -86,6 +97,28 @@ def fit(m: Moments, residual: bool = False, rcond: float = RCOND) -> LinearFit:
     target = m.with_residual() if residual else m
     rho = canonical_correlations(target.cxx, target.cyx, target.cyy, rcond, eig_x=(values, vectors))
     return LinearFit(weight, bias, ridge, cond, nmse, float(torch.sum(1 - rho**2)), rho)
+
+
+def fit_without_bias(m: Moments, rcond: float = RCOND) -> BiasFreeFit:
+    """LMMSE map without intercept, W0 = E[Y X^T] E[X X^T]^-1, from the uncentered second moments
+    E[X X^T] = C_XX + mu_x mu_x^T and E[Y X^T] = C_YX + mu_y mu_x^T (same eigen-solve and ridge rule
+    as `fit`). Its NMSE is never below `fit`'s: the difference is what the missing bias costs."""
+    _check_tokens(m)
+    sxx = m.cxx + torch.outer(m.mean_x, m.mean_x)
+    syx = m.cyx + torch.outer(m.mean_y, m.mean_x)
+    values, vectors = _eigh((sxx + sxx.T) / 2)
+    cond = float(values[-1] / values[0]) if values[0] > 0 else float("inf")
+    ridge = _floor(values, rcond)
+    weight = ((syx @ vectors) / (values + ridge)) @ vectors.T
+    # E||Y - W X||^2 = Tr(S_YY) - 2 Tr(W S_XY) + Tr(W S_XX W^T), exact with or without a ridge
+    syy_trace = float(torch.trace(m.cyy) + m.mean_y @ m.mean_y)
+    mse = syy_trace - 2 * float(torch.sum(weight * syx)) + float(torch.sum((weight @ sxx) * weight))
+    total = float(torch.trace(m.cyy))
+    if total > 0:
+        nmse = max(mse, 0.0) / total
+    else:  # a constant Y: only its mean is left to predict, which a map without bias may miss
+        nmse = 0.0 if mse <= 1e-12 * max(syy_trace, 1e-300) else float("inf")
+    return BiasFreeFit(weight, ridge, cond, nmse)
 
 
 def select_layers(scores, m: int) -> list[int]:

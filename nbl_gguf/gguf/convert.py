@@ -27,6 +27,12 @@ from nbl_gguf.errors import NblError
 from nbl_gguf.outputs import check_output_dir, check_output_file
 
 METHODS = ("attn-nbl", "attn-drop")
+# --runtime: which llama.cpp runs the file, and so its layout (docs/gguf-format.md)
+RUNTIMES = {
+    "nbl": "NBL layout: runs on the patched llama.cpp (build/)",
+    "stock": "stock layout (deci architecture, bias-free maps): runs on unmodified llama.cpp builds (deci is upstream "
+             "since 2024-12); the KV saving above needs flash attention (llama.cpp's -fa auto turns it on for CPU)",
+}
 FLOAT_OUTPUTS = ("F32", "F16", "BF16")
 DEFAULT_QUANT = "q4_k_m"
 # the summary's held-out perplexity: a small slice, so that it costs seconds on a small model
@@ -44,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nbl-type", default=None, metavar="TYPE",
                         help="GGUF --model only: ggml type of the NBL weights (q8_0, q4_k, f16, ...; default: the type "
                              "of each replaced layer's attn_output, q8_0 where that cannot hold an n_embd x n_embd matrix)")
+    parser.add_argument("--runtime", default="nbl", choices=list(RUNTIMES),
+                        help="nbl (default): the NBL layout, W x + b, for the patched llama.cpp; stock: llama.cpp's "
+                             "deci architecture with bias-free maps, which unmodified builds run (llama, mistral)")
     parser.add_argument("--method", default="attn-nbl",
                         help="attn-nbl (attention -> W x + b) or attn-drop (attention removed); "
                              "block-nbl is evaluated in PyTorch only")
@@ -311,6 +320,36 @@ def calibration_texts(args, artifact, ctx: int) -> list[str]:
     return texts
 
 
+def linear_map(artifact, layer: int, runtime: str):
+    """(W, b) for a linear layer: the fit with bias for the NBL layout, the bias-free one (b = 0) for the
+    stock layout, whose slot has no bias."""
+    if runtime == "stock":
+        import numpy as np
+
+        weight = artifact.linear_without_bias(layer)
+        return weight, np.zeros(weight.shape[0], dtype=np.float32)
+    return artifact.linear(layer, "attn")
+
+
+def check_stock_runtime(source) -> None:
+    """--runtime stock: refuse, before calibrating, a model that llama.cpp's deci graph cannot run."""
+    from nbl_gguf.gguf import stock_layout
+
+    if source.gguf is None:
+        config = json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
+        stock_layout.check_source_model_type(config.get("model_type"))
+    elif source.gguf.architecture not in stock_layout.SOURCE_ARCHITECTURES:
+        raise NblError(f"--runtime stock writes llama.cpp's deci architecture, which runs llama GGUFs only; "
+                       f"{source.gguf.path.name} is a '{source.gguf.architecture}' model: use --runtime nbl "
+                       f"(the patched llama.cpp)")
+
+
+def writer(runtime: str):
+    from nbl_gguf.gguf import nbl_format, stock_layout
+
+    return {"nbl": nbl_format.write_nbl_gguf, "stock": stock_layout.write_stock_gguf}[runtime]
+
+
 # --- summary -----------------------------------------------------------------------------------
 
 @dataclass
@@ -328,6 +367,7 @@ class Summary:
     kv_nbl: int
     output: Path
     heldout: dict | None = None  # heldout_perplexities(), or None with --no-eval
+    runtime: str = "nbl"
     extra: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # printed under the table
 
@@ -364,6 +404,7 @@ class Summary:
             lines.append(f"  held-out perplexity: llama-perplexity, {self.heldout['chunks']} chunks of "
                          f"{self.heldout['ctx']} tokens of the bundled C4 documents never used for calibration")
         lines += [f"  {note}" for note in self.notes]
+        lines.append(f"  layout: {RUNTIMES[self.runtime]}")
         lines.append(f"  output: {self.output}")
         return "\n".join(lines)
 
@@ -398,6 +439,8 @@ def convert(args) -> Summary:
         quant = check_quant(args.quant or DEFAULT_QUANT)
         check_hf_folder(source.hf_folder())
         n_layer, hidden = model_shape(source.hf_folder())
+    if args.runtime == "stock":
+        check_stock_runtime(source)
     m, _ = selection_budget(args.m, args.max_ppl_increase)
     if m is not None and not 0 <= m <= n_layer:
         raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
@@ -440,7 +483,7 @@ def convert(args) -> Summary:
         scores = [float(s) for s in artifact.scores(args.criterion, "attn")] if args.criterion in CRITERIA else None
         layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
         types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
-        linear = {i: artifact.linear(i, "attn") for i in selected if layer_type == nbl_format.LINEAR}
+        linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
         layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion, scores=scores,
                                       calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
         progress.update()
@@ -450,9 +493,9 @@ def convert(args) -> Summary:
             # 2. surgery on the user's own file: it is the stock file of the comparison
             step("NBL surgery")
             weights = nbl_format.weight_types(source.gguf.path, layers, args.nbl_type)
-            nbl_format.write_nbl_gguf(source.gguf.path, output, layers, weight_type=weights)
+            writer(args.runtime)(source.gguf.path, output, layers, weight_type=weights)
             stock_final = source.gguf.path
-            notes = gguf_notes(source.gguf, weights, args.nbl_type)
+            notes = gguf_notes(source.gguf, weights, args.nbl_type, args.runtime)
             progress.update()
         else:
             # 2. stock conversion
@@ -466,7 +509,7 @@ def convert(args) -> Summary:
             step(steps[2])
             final_float = quant in FLOAT_OUTPUTS
             nbl_path = output if final_float else tmp / f"nbl-{intermediate}.gguf"
-            nbl_format.write_nbl_gguf(stock, nbl_path, layers, weight_type=intermediate.upper())
+            writer(args.runtime)(stock, nbl_path, layers, weight_type=intermediate.upper())
             progress.update()
 
             # 4. quantization of both (the stock one only for the size comparison)
@@ -500,13 +543,14 @@ def convert(args) -> Summary:
             model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=method,
             criterion=args.criterion, n_layer=n_layer, replaced=selected, scores=scores,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
-            kv_stock=kv_stock, kv_nbl=kv_nbl, output=output,
+            kv_stock=kv_stock, kv_nbl=kv_nbl, output=output, runtime=args.runtime,
         )
 
 
-def gguf_notes(source, weights: dict, requested: str | None) -> list[str]:
+def gguf_notes(source, weights: dict, requested: str | None, runtime: str = "nbl") -> list[str]:
     """What the summary says about a GGUF input: what was kept, and the NBL weights' types and why."""
-    notes = [f"stock: {source.path.name} itself; the NBL file keeps all its keys and every tensor but the "
+    keys = "all its keys" if runtime == "nbl" else "all its keys (llama.* renamed deci.*)"
+    notes = [f"stock: {source.path.name} itself; the NBL file keeps {keys} and every tensor but the "
              f"replaced attention, byte for byte"]
     by_type: dict[tuple, list[int]] = {}
     for layer, weight in weights.items():

@@ -22,8 +22,14 @@ from nbl_gguf.gguf.nbl_format import (
     layer_of,
     read_layer_types,
 )
+from nbl_gguf.gguf.stock_layout import read_stock_layer_types
 
 KV_BYTES = 2  # the KV cache is F16 by default in llama.cpp
+LAYOUTS = {
+    "stock": "stock GGUF (no NBL layers)",
+    "nbl": "NBL (patched llama.cpp)",
+    "stock-layout": "NBL stock layout (deci)",
+}
 GGUF_MAGIC = b"GGUF"
 # how gguf-py fails when a field or a tensor runs past the end of the file (a cut download or copy)
 GGUF_PAST_THE_END = ("exceeds remaining file size", "cannot reshape array of size")
@@ -77,28 +83,63 @@ def _per_layer(value, n_layer: int) -> list[int]:
 
 def kv_bytes_per_layer(reader) -> list[int]:
     """Bytes per token of each layer's K and V cache (F16) if the layer keeps its attention."""
+    return [k + v for k, v in zip(*kv_widths(reader))]
+
+
+def kv_widths(reader) -> tuple[list[int], list[int]]:
+    """Bytes per token of each layer's K cache and of its V cache (F16), from the file's head counts."""
     arch = str(_field(reader, "general.architecture"))
     n_layer = int(_field(reader, f"{arch}.block_count"))
     n_embd = int(_field(reader, f"{arch}.embedding_length"))
     n_head = _per_layer(_field(reader, f"{arch}.attention.head_count"), n_layer)
     n_head_kv = _per_layer(_field(reader, f"{arch}.attention.head_count_kv", _field(reader, f"{arch}.attention.head_count")), n_layer)
-    result = []
+    k_bytes, v_bytes = [], []
     for layer in range(n_layer):
         head_dim = n_embd // n_head[layer] if n_head[layer] else 0
         k_len = int(_field(reader, f"{arch}.attention.key_length", head_dim))
         v_len = int(_field(reader, f"{arch}.attention.value_length", head_dim))
-        result.append(n_head_kv[layer] * (k_len + v_len) * KV_BYTES)
-    return result
+        k_bytes.append(n_head_kv[layer] * k_len * KV_BYTES)
+        v_bytes.append(n_head_kv[layer] * v_len * KV_BYTES)
+    return k_bytes, v_bytes
+
+
+def stock_layout_kv_without_flash_attention(reader) -> int:
+    """KV bytes per token of a stock-layout file when flash attention is off: llama.cpp keeps every
+    deci layer in the cache and, with V stored transposed, pads each layer's V to the widest, so the
+    replaced layers lose only their K (docs/gguf-format.md, "Stock layout")."""
+    k_bytes, v_bytes = kv_widths(reader)
+    return sum(k_bytes) + len(v_bytes) * max(v_bytes, default=0)
 
 
 def kv_bytes_per_token(reader, layer_types=None) -> tuple[int, int]:
     """(stock, this file) KV cache bytes per token: 2 * n_head_kv * head_dim * 2 bytes per attention layer."""
     per_layer = kv_bytes_per_layer(reader)
-    types = layer_types if layer_types is not None else read_layer_types(reader)
-    stock = sum(per_layer)
+    types = layer_types if layer_types is not None else file_layer_types(reader)
     if types is None:
-        return stock, stock
-    return stock, sum(b for b, t in zip(per_layer, types) if t == ATTENTION)
+        return sum(per_layer), sum(per_layer)
+    attention = [b for b, t in zip(per_layer, types) if t == ATTENTION]
+    if read_stock_layer_types(reader) is not None:
+        # the stock layout keeps no heads for replaced layers; llama-family models have the same heads
+        # in every layer, so the unreplaced model's layers each cost what an attention layer costs
+        per_layer = [max(attention, default=0)] * len(per_layer)
+    return sum(per_layer), sum(attention)
+
+
+def file_layer_types(reader) -> list[int] | None:
+    """The NBL layer types of either layout, or None for a stock GGUF."""
+    types = read_layer_types(reader)
+    return types if types is not None else read_stock_layer_types(reader)
+
+
+def layout(reader) -> tuple[str, bool]:
+    """(the file's layout, whether an unmodified llama.cpp build runs it)."""
+    if read_stock_layer_types(reader) is not None:
+        return LAYOUTS["stock-layout"], True
+    types = read_layer_types(reader)
+    if types is not None:
+        # a stock build ignores the key and then misses the attention tensors of the replaced layers
+        return LAYOUTS["nbl"], all(t == ATTENTION for t in types)
+    return LAYOUTS["stock"], True
 
 
 def describe(path: str | os.PathLike) -> dict:
@@ -108,7 +149,8 @@ def describe(path: str | os.PathLike) -> dict:
     path = Path(path)
     reader, arch = open_model_gguf(path)
     n_layer = int(_field(reader, f"{arch}.block_count", 0))
-    types = read_layer_types(reader)
+    types = file_layer_types(reader)
+    layout_name, stock_runs = layout(reader)
     scores = _field(reader, SCORES_KEY)
     calibration = _field(reader, CALIBRATION_KEY)
     if calibration is not None:
@@ -155,6 +197,8 @@ def describe(path: str | os.PathLike) -> dict:
         "name": _field(reader, "general.name"),
         "file_type": file_type_name,
         "nbl": types is not None,
+        "layout": layout_name,
+        "stock_llama_cpp_runs_it": stock_runs,
         "block_count": n_layer,
         "embedding_length": _field(reader, f"{arch}.embedding_length"),
         "method": _field(reader, METHOD_KEY),
@@ -163,7 +207,9 @@ def describe(path: str | os.PathLike) -> dict:
         "layers": layers,
         "replaced": {name: sum(1 for e in layers if e["type"] == name) for name in ("linear", "dropped")},
         "attention_layers": attention_layers,
-        "kv_bytes_per_token": {"stock": kv_stock, "file": kv_file},
+        "kv_bytes_per_token": {"stock": kv_stock, "file": kv_file, **(
+            {"file_flash_attention_off": stock_layout_kv_without_flash_attention(reader)}
+            if read_stock_layer_types(reader) is not None else {})},
         "tensor_types": dict(sorted(by_type.items())),
         "tensor_count": len(tensors),
         "tensors": tensors,
@@ -192,6 +238,8 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
     out.append(f"file:          {info['file']}  ({human_bytes(info['file_bytes'])})")
     out.append(f"model:         {info['name'] or '?'}  (architecture {info['architecture']}, file type {info['file_type']}, "
                f"{info['block_count']} layers, n_embd {info['embedding_length']})")
+    runs = "yes" if info["stock_llama_cpp_runs_it"] else "no (needs the patched llama.cpp)"
+    out.append(f"layout:        {info['layout']}; a stock llama.cpp build runs it: {runs}")
     if info["nbl"]:
         rep = info["replaced"]
         out.append(f"NBL:           {rep['linear'] + rep['dropped']} of {info['block_count']} attention layers replaced "
@@ -206,6 +254,10 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
     kv = info["kv_bytes_per_token"]
     ratio = kv["file"] / kv["stock"] if kv["stock"] else 1.0
     out.append(f"KV cache:      {kv['file']:,} bytes/token (F16)  vs stock {kv['stock']:,}  ({ratio:.1%})")
+    if "file_flash_attention_off" in kv:
+        off = kv["file_flash_attention_off"]
+        out.append(f"               with flash attention; without it {off:,} ({off / kv['stock']:.1%}): "
+                   f"llama.cpp pads the V cache of the replaced layers")
     out.append("")
     out.append("layer  type       score     attention tensors (other tensors of the layer)")
     for layer in info["layers"]:

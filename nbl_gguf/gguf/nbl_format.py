@@ -202,7 +202,7 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
             if layer not in emitted and layers.types[layer] == LINEAR:
                 weight, bias = layers.linear[layer]
                 qtype = gguf.GGMLQuantizationType[types[layer].name]
-                tensors.append((NBL_WEIGHT.format(layer=layer), _quantize(weight, qtype), qtype))
+                tensors.append((NBL_WEIGHT.format(layer=layer), quantize_weight(weight, qtype), qtype))
                 tensors.append((NBL_BIAS.format(layer=layer), bias.astype(np.float32), gguf.GGMLQuantizationType.F32))
             emitted.add(layer)
             continue
@@ -250,7 +250,7 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
     return dst
 
 
-def _quantize(weight: np.ndarray, qtype) -> np.ndarray:
+def quantize_weight(weight: np.ndarray, qtype) -> np.ndarray:
     """W as stored: float types by gguf-py, the others by ggml's quantizers (as llama-quantize does)."""
     import gguf
 
