@@ -122,7 +122,7 @@ def get_calibration(args, source, work: Path):
     return load_artifact(calibrate_into(target, model_dir, ns))
 
 
-def best_choices(artifact, model_dir: Path, methods: list[str], ms: list[int], cache, calib_tag: str) -> dict:
+def best_choices(artifact, source, methods: list[str], ms: list[int], cache, calib_tag: str) -> dict:
     """What `--criterion best` picks at each (method, m): the local criterion whose m layers cost the model
     least on held-out calibration windows: the windows calibrate held out after the artifact's fit windows
     (as many as it did, or the default 8k tokens' worth when it held none out; calibration.select.best_of)."""
@@ -145,7 +145,7 @@ def best_choices(artifact, model_dir: Path, methods: list[str], ms: list[int], c
     seqlen, fit_windows = int(data["seqlen"]), int(data["nsamples"])
     held = int(data.get("selection_windows") or 0) or -(-DEFAULT_SELECTION_TOKENS // seqlen)
     torch.manual_seed(0)
-    loaded = load_model(str(model_dir), "fp32", "cpu")
+    loaded = load_model(str(source.hf_folder()), "fp32", "cpu")
     windows = load_calibration(loaded.tokenizer, data.get("dataset"), fit_windows + held, seqlen,
                                config=data.get("dataset_config"), split=data.get("split") or "train",
                                max_positions=max_context(loaded.config))
@@ -339,7 +339,7 @@ def run_sweep(args) -> int:
     cache = Cache(work / "results.json", args.fresh)
     best = None
     if args.criterion == "best":
-        best = best_choices(artifact, model_dir, args.methods, sorted(set(args.m)), cache, calib_tag)
+        best = best_choices(artifact, source, args.methods, sorted(set(args.m)), cache, calib_tag)
     main, criteria = build_configs(artifact, args, n_layer, best)
     text_tag = _file_sha(text_file) if text_file else "none"
     task_tag = _sha(json.dumps({t: [_file_sha(p), n] for t, (p, n) in task_files.items()}).encode())
