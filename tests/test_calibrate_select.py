@@ -431,12 +431,13 @@ def test_calibrate_selection_errors(checkpoint):
 
 def test_sweep_best_rows_repeat_the_choice_of_calibrate(checkpoint, tmp_path):
     from nbl_gguf.measurement import sweep
+    from nbl_gguf.model_source import resolve_model
 
     out = checkpoint / "best-m2"
     assert run_calibrate(checkpoint, "--nsamples", 8, "--m", 2, "--selection-windows", 20, "-o", out) == 0
     art = load_artifact(out)
     recorded = art.report["selection"]
-    choices = sweep.best_choices(art, checkpoint / "model", ["attn-nbl", "attn-drop", "block-nbl"], [2],
+    choices = sweep.best_choices(art, resolve_model(str(checkpoint / "model")), ["attn-nbl", "attn-drop", "block-nbl"], [2],
                                  sweep.Cache(tmp_path / "results.json", fresh=True), "tag")
     assert choices == {("attn-nbl", 2): recorded["chosen"]}  # measured for Attn NBL only
     cached = json.loads((tmp_path / "results.json").read_text())["best|tag|attn-nbl|m2"]["compared"]
