@@ -340,13 +340,21 @@ def test_best_of_picks_the_criterion_whose_set_costs_least(constructed):
         assert layers == sorted(rankings[c][:2])
         assert inc == pytest.approx(100 * (math.exp(reference[c] - base) - 1), abs=1e-4)
     assert reference_loss(evaluator.model, heldout) == pytest.approx(base, rel=1e-6)  # left as it was
-    # with --m auto: the criterion that fits the most layers in the budget (each walked from the start)
+    # with --m auto: the criterion that fits the most layers in the budget, then the least loss; whichever
+    # is walked first, the criteria that cannot fit as many are settled by one trial, not walked
     budget = 1.0
-    chosen, trace, compared = selection.best_of(evaluator_for(constructed), rankings, budget=budget)
-    fits = {c: next((k - 1 for k, inc in enumerate(prefix_increases(constructed, order)) if inc > budget), 4)
-            for c, order in rankings.items()}
-    assert len(trace.order) == max(fits.values()) == fits[chosen]
-    assert {c: len(layers) for c, (layers, _) in compared.items()} == fits
+    increases = {c: prefix_increases(constructed, order) for c, order in rankings.items()}
+    fits = {c: next((k - 1 for k, inc in enumerate(increases[c]) if inc > budget), 4) for c in rankings}
+    expected = min(rankings, key=lambda c: (-fits[c], increases[c][fits[c]], list(rankings).index(c)))
+    for first in rankings:
+        chosen, trace, compared = selection.best_of(evaluator_for(constructed), rankings, budget=budget, walk_first=first)
+        assert chosen == expected and len(trace.order) == fits[chosen] == max(fits.values())
+        assert list(compared) == list(rankings)
+        for c, (layers, inc) in compared.items():
+            if len(layers) == fits[c]:  # walked
+                assert inc == pytest.approx(increases[c][fits[c]], abs=1e-4)
+            else:  # its first k layers, k fitted by a criterion walked before it, are over the budget
+                assert fits[c] < len(layers) <= fits[expected] and inc > budget and layers == sorted(rankings[c][:len(layers)])
 
 
 def test_selection_bad_input(constructed):

@@ -235,7 +235,7 @@ def select(model, layers: list[dict], tensors: dict, args, m: int | None, budget
     if args.criterion == "greedy":
         trace = greedy(evaluator, [rankings["cosine"], rankings["nmse"]], m, budget, args.candidates or DEFAULT_CANDIDATES)
     elif args.criterion == "best":
-        chosen, trace, compared = best_of(evaluator, rankings, m, budget)
+        chosen, trace, compared = best_of(evaluator, rankings, m, budget, walk_first=LOCAL_DEFAULT)
         selection["chosen"] = chosen
     else:
         trace = walk(evaluator, ranking(scores), args.criterion, m, budget)

@@ -165,22 +165,41 @@ def walk(evaluator: NestedEvaluator, ranking: list[int], criterion: str, m: int 
 
 
 def best_of(evaluator: NestedEvaluator, rankings: dict[str, list[int]], m: int | None = None,
-            budget: float | None = None) -> tuple[str, SelectionTrace, dict]:
+            budget: float | None = None, walk_first: str | None = None) -> tuple[str, SelectionTrace, dict]:
     """The local criterion whose choice is best on the held-out windows: at a fixed m the one whose m
     layers cost least, with --m auto the one that fits the most layers in the budget (then the least
-    loss). Returns (criterion, its trace, {criterion: (layers, ppl increase %)} for every one)."""
+    loss; ties go to the earlier criterion in ``rankings``). Returns (criterion, its trace,
+    {criterion: (layers, ppl increase %)} for every one).
+
+    With --m auto, ``walk_first`` is walked first; a later criterion whose first k layers (k: the most
+    any criterion fitted so far) already exceed the budget cannot fit k, so one trial settles it instead
+    of a walk (its entry then holds those k layers and their increase). This keeps auto with best near
+    the cost of one walk when the first criterion wins, and gives the same choice as walking them all."""
     compared, traces = {}, {}
-    for criterion, order in rankings.items():
+    names = sorted(rankings, key=lambda c: c != walk_first)
+    for criterion in names:
+        order = rankings[criterion]
         if m is not None:
             _check_budget(m, None, len(order))
             trace = SelectionTrace(criterion, evaluator.base_loss, evaluator.tokens, order=list(order[:m]))
             trace.losses = [evaluator.trial(*trace.order)] if m else []
         else:
+            fitted = max((len(t.order) for t in traces.values()), default=0)
+            increase = ppl_increase(evaluator.trial(*order[:fitted]), evaluator.base_loss) if fitted else 0.0
+            if increase > budget:
+                trace = SelectionTrace(criterion, evaluator.base_loss, evaluator.tokens)
+                trace.stopped = (f"its first {fitted} layers raise the held-out perplexity by {increase:+.1f}%, "
+                                 f"over the budget of {budget:g}%: not walked")
+                traces[criterion] = trace
+                compared[criterion] = (sorted(order[:fitted]), increase)
+                continue
             trace = walk(evaluator, order, criterion, None, budget)
             evaluator.reset()
         traces[criterion] = trace
         loss = trace.losses[-1] if trace.losses else evaluator.base_loss
         compared[criterion] = (sorted(trace.order), ppl_increase(loss, evaluator.base_loss))
+    compared = {c: compared[c] for c in rankings}
+    # a criterion settled by one trial has no layers and some other has more: it cannot be chosen
     chosen = min(traces, key=lambda c: (-len(traces[c].order), compared[c][1], list(rankings).index(c)))
     return chosen, traces[chosen], compared
 
