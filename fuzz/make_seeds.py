@@ -141,7 +141,8 @@ def seed_tensors(seed: Seed, rng) -> dict[str, tuple[np.ndarray, str]]:
     return tensors
 
 
-def write_seed(path: Path, name: str, seed: Seed) -> Path:
+def write_seed(path: Path, name: str, seed: Seed, retype: dict[str, str] | None = None) -> Path:
+    """retype: tensor name -> type stored instead of the seed's (fuzz/retype_tensor.py)."""
     import gguf
 
     arch = ARCHS[seed.arch]
@@ -170,7 +171,7 @@ def write_seed(path: Path, name: str, seed: Seed) -> Path:
                              gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
         writer.add_string(nbl_format.METHOD_KEY, "attn-nbl")
     for tensor_name, (values, type_name) in seed_tensors(seed, rng).items():
-        data, qtype = quantized(values, type_name)
+        data, qtype = quantized(values, (retype or {}).get(tensor_name, type_name))
         writer.add_tensor(tensor_name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
