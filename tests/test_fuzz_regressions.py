@@ -2,12 +2,17 @@
 valid NBL GGUF of each architecture, fuzz/make_seeds.py) loads and decodes, and every file in
 fuzz/regressions/ loads or fails with the error that fuzz/regressions/expected.json names. Nothing
 may die of a signal. The files are loaded as the harness loads them (fuzz/replay.py, in a subprocess
-bound to this build's libllama); docs/fuzzing.md tells how they were found."""
+bound to this build's libllama); docs/fuzzing.md tells how they were found.
+
+fuzz/upstream/ keeps one file per crash the fuzzer found outside the patch: each must end the same
+way with the stock library (unpatched src/) as with the patched one, the abort that
+fuzz/upstream/expected.json names included, which is what makes it upstream's."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +24,7 @@ from nbl_gguf.llamacpp import tools as llamacpp
 
 FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
 REGRESSIONS = FUZZ / "regressions"
+UPSTREAM = FUZZ / "upstream"
 
 pytestmark = [
     pytest.mark.llama,
@@ -27,12 +33,16 @@ pytestmark = [
 ]
 
 
+def run_replay(paths: list[Path], lib_dir: Path) -> subprocess.CompletedProcess:
+    # an abort prints ggml's message, not a gdb backtrace
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(lib_dir), GGML_NO_BACKTRACE="1")
+    return subprocess.run([sys.executable, str(FUZZ / "replay.py"), *map(str, paths)],
+                          capture_output=True, text=True, errors="replace", env=env, timeout=600)
+
+
 def replay(paths: list[Path]) -> dict[str, dict]:
     """fuzz/replay.py's result for each file; fails naming the file a crashed process was loading."""
-    # an abort prints ggml's message, not a gdb backtrace
-    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(llamacpp.bin_dir()), GGML_NO_BACKTRACE="1")
-    completed = subprocess.run([sys.executable, str(FUZZ / "replay.py"), *map(str, paths)],
-                               capture_output=True, text=True, errors="replace", env=env, timeout=600)
+    completed = run_replay(paths, llamacpp.bin_dir())
     records = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
     started = [r["file"] for r in records if r.get("begin")]
     assert completed.returncode == 0, (
@@ -81,3 +91,22 @@ def test_regression_files_load_or_fail_with_their_error():
             assert result["loaded"] and result["context"] and result["decode"] == 0, result
         else:
             assert not result["loaded"] and error in (result["error"] or ""), result
+
+
+def test_upstream_crashes_are_the_stock_librarys():
+    expected = json.loads((UPSTREAM / "expected.json").read_text())
+    files = sorted(UPSTREAM.glob("*.gguf"))
+    assert sorted(expected) == [path.name for path in files], "every upstream file has an expected outcome"
+    stock = llamacpp.build_dir() / "stock"
+    assert (stock / "libllama.so").exists(), "build the stock library: cmake --build build --target llama-stock"
+    for path in files:
+        abort = expected[path.name]
+        for lib_dir in (llamacpp.bin_dir(), stock):
+            completed = run_replay([path], lib_dir)
+            where = f"{path.name} with {lib_dir}"
+            if abort is None:  # undefined behaviour only the sanitizers see: loads or fails cleanly
+                assert completed.returncode == 0, f"{where}: exit {completed.returncode}\n{completed.stderr[-2000:]}"
+            else:
+                assert completed.returncode == -signal.SIGABRT and abort in completed.stderr, (
+                    f"{where}: exit {completed.returncode}, expected the upstream abort '{abort}' "
+                    f"(fixed upstream? then move the file to fuzz/regressions/)\n{completed.stderr[-2000:]}")
