@@ -198,6 +198,10 @@ def malformed_cases(model):
         "misshaped-weight": (dict(extra_kv={KEY: (types, *I32)}, skip_tensors=attention_of(1),
                                   extra_tensors=nbl_tensors(model, 1, weight_shape=(model.n_embd // 2, model.n_embd))),
                              r"tensor 'blk.1.attn_nbl.weight' has wrong shape"),
+        # the graph adds the bias to F32 activations; another type loaded and aborted the first decode (patch 0009)
+        "f16-bias": (dict(extra_kv={KEY: (types, *I32)}, skip_tensors=attention_of(1),
+                          extra_tensors={**nbl_tensors(model, 1), "blk.1.attn_nbl.bias": np.zeros(model.n_embd, np.float16)}),
+                     r"tensor 'blk.1.attn_nbl.bias' has type f16, expected f32"),
         "leftover-attention": (dict(extra_kv={KEY: (types, *I32)}, extra_tensors=nbl_tensors(model, 1)),
                                r"layer 1 has NBL type 1 but carries attention tensor 'blk.1.attn_q.weight'"),
         "nbl-on-attention-layer": (dict(extra_kv={KEY: ([A, A, A], *I32)}, extra_tensors=nbl_tensors(model, 2)),
