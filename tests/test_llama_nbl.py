@@ -88,6 +88,17 @@ def test_kv_cache_shrinks_by_the_marked_fraction(tmp_path, case):
     assert kv.mib == pytest.approx(kv_stock.mib * n_attention / model.n_layer, abs=0.011)
 
 
+def test_a_model_without_attention_runs(tmp_path):
+    # every layer linear or dropped: nothing reads the positions or the KV cache (patch 0007; the
+    # loader fuzzer found the first decode aborting)
+    types = [L, D, L]
+    model, linear, path = make_gguf(tmp_path, dict(n_layer=3), types)
+    tokens = tokens_for(model, 12)
+    llm, _ = library.load_model(path, n_ctx=64, logits_all=True, f32_kv=True)
+    got = library.logits(llm, tokens)
+    assert np.abs(got - model.forward(tokens, types, linear)).max() < TOLERANCE
+
+
 def test_context_shift_and_state_reuse(tmp_path):
     shape, types = CASES["all-but-one"]
     model, linear, path = make_gguf(tmp_path, shape, types)
@@ -176,6 +187,10 @@ def malformed_cases(model):
     return {
         "wrong-length": (dict(extra_kv={KEY: ([A, L], *I32)}, skip_tensors=attention_of(1), extra_tensors=nbl_tensors(model, 1)),
                          r"llama.nbl.layer_types has 2 entries, expected one per layer \(3\)"),
+        # a single value, not one per layer: rejected by name rather than loaded as if no layer were marked
+        "scalar-layer-types": (dict(extra_kv={KEY: (L, gguf.GGUFValueType.INT32, None)}, skip_tensors=attention_of(1),
+                                    extra_tensors=nbl_tensors(model, 1)),
+                               r"llama.nbl.layer_types must be an int32 array with one entry per layer, not a single i32"),
         "unknown-type": (dict(extra_kv={KEY: ([A, 7, A], *I32)}, skip_tensors=attention_of(1), extra_tensors=nbl_tensors(model, 1)),
                          r"layer 1 has unknown type 7"),
         "missing-weight": (dict(extra_kv={KEY: (types, *I32)}, skip_tensors=attention_of(1)),
@@ -183,6 +198,10 @@ def malformed_cases(model):
         "misshaped-weight": (dict(extra_kv={KEY: (types, *I32)}, skip_tensors=attention_of(1),
                                   extra_tensors=nbl_tensors(model, 1, weight_shape=(model.n_embd // 2, model.n_embd))),
                              r"tensor 'blk.1.attn_nbl.weight' has wrong shape"),
+        # the graph adds the bias to F32 activations; another type loaded and aborted the first decode (patch 0009)
+        "f16-bias": (dict(extra_kv={KEY: (types, *I32)}, skip_tensors=attention_of(1),
+                          extra_tensors={**nbl_tensors(model, 1), "blk.1.attn_nbl.bias": np.zeros(model.n_embd, np.float16)}),
+                     r"tensor 'blk.1.attn_nbl.bias' has type f16, expected f32"),
         "leftover-attention": (dict(extra_kv={KEY: (types, *I32)}, extra_tensors=nbl_tensors(model, 1)),
                                r"layer 1 has NBL type 1 but carries attention tensor 'blk.1.attn_q.weight'"),
         "nbl-on-attention-layer": (dict(extra_kv={KEY: ([A, A, A], *I32)}, extra_tensors=nbl_tensors(model, 2)),
