@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--extra-criteria", nargs="*", default=["cca", "nmse"], choices=CRITERIA,
                        help="also run Attn NBL-m and Attn DROP-m with these criteria's layers (default: cca, the NBL "
                             "paper's, and nmse; give none for no extra rows)")
+    sweep.add_argument("--criteria-first-quant", action="store_true",
+                       help="measure the rows of the other criteria in the first --quant type only (a large model's "
+                            "sweep: the main rows keep every type)")
     sweep.add_argument("--criteria-m", type=int, default=8,
                        help="compare the cca, nmse and cosine selections at this m (Attn NBL and Attn DROP, "
                             "first --quant; 0 = skip; default: 8)")

@@ -356,7 +356,8 @@ def run_sweep(args) -> int:
     for config in main:
         if config.gguf:
             stock_f32 = config.method == "baseline" and source.gguf is None
-            jobs[config.key] = (config, (["F32"] if stock_f32 else []) + quants)
+            types = quants[:1] if config.variant and getattr(args, "criteria_first_quant", False) else quants
+            jobs[config.key] = (config, (["F32"] if stock_f32 else []) + types)
     for config in criteria:
         jobs.setdefault(config.key, (config, [quants[0]]))
     results: dict[tuple[str, str], dict] = {}
