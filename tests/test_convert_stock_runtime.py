@@ -171,6 +171,17 @@ def bias_free(artifact, layers) -> dict:
     return {i: (artifact.linear_without_bias(i), np.zeros(HIDDEN, np.float32)) for i in layers}
 
 
+def assert_the_stock_library_runs_q8_0(summary, model_dir: Path, artifact, tmp_path: Path) -> None:
+    """The unmodified libllama generates from the converted file, and its logits are PyTorch's with the
+    bias-free maps, within what q8_0 weights allow."""
+    tokens = sample_tokens(model_dir)
+    got = run_gguf(summary.output, tokens, tmp_path, stock_library())
+    want = reference_logits(model_dir, [L if i in summary.replaced else A for i in range(N_LAYER)],
+                            bias_free(artifact, summary.replaced), tokens)
+    assert got["generated"] == GENERATED
+    assert np.abs(got["batch"] - want).max() < 0.05 * np.abs(want).max()
+
+
 # --- the tests -----------------------------------------------------------------------------------
 
 def test_convert_runtime_stock_runs_on_the_unmodified_library(source, tmp_path):
@@ -304,12 +315,7 @@ def test_quantized_source_and_output(source, tmp_path):
     reader = gguf.GGUFReader(summary.output)
     assert reader.fields["general.architecture"].contents() == "deci"
     assert {t.tensor_type.name for t in reader.tensors if t.name.endswith("attn_output.weight")} == {"Q8_0"}
-    tokens = sample_tokens(model_dir)
-    got = run_gguf(summary.output, tokens, tmp_path, stock_library())
-    want = reference_logits(model_dir, [L if i in summary.replaced else A for i in range(N_LAYER)],
-                            bias_free(artifact, summary.replaced), tokens)
-    assert got["generated"] == GENERATED
-    assert np.abs(got["batch"] - want).max() < 0.05 * np.abs(want).max()  # q8_0 weights
+    assert_the_stock_library_runs_q8_0(summary, model_dir, artifact, tmp_path)
 
 
 @pytest.mark.parametrize("source", ["llama"], indirect=True)  # once is enough
@@ -413,12 +419,7 @@ def test_gguf_model_in_the_stock_layout(source, tmp_path):
             assert bytes(tensor.data) == expected.tobytes()
         else:
             assert bytes(tensor.data) == bytes(source_tensors[name].data), name
-    tokens = sample_tokens(model_dir)
-    got = run_gguf(summary.output, tokens, tmp_path, stock_library())
-    want = reference_logits(model_dir, [L if i in summary.replaced else A for i in range(N_LAYER)],
-                            bias_free(artifact, summary.replaced), tokens)
-    assert got["generated"] == GENERATED
-    assert np.abs(got["batch"] - want).max() < 0.05 * np.abs(want).max()  # q8_0 weights
+    assert_the_stock_library_runs_q8_0(summary, model_dir, artifact, tmp_path)
 
     # a GGUF the deci graph cannot run is refused before any work, and nothing is written
     qwen2 = _as_architecture(q8, tmp_path / "tiny-qwen2.gguf", "qwen2")

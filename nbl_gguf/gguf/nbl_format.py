@@ -225,29 +225,39 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
             LAYER_TYPES_KEY.format(arch=arch), [int(t) for t in layers.types],
             gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32,
         )
-        if layers.method:
-            writer.add_string(METHOD_KEY, layers.method)
-        if layers.criterion:
-            writer.add_string(CRITERION_KEY, layers.criterion)
-        if layers.scores is not None:
-            writer.add_key_value(
-                SCORES_KEY, [float(v) for v in layers.scores], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32
-            )
-        if layers.calibration is not None:
-            writer.add_string(CALIBRATION_KEY, json.dumps(layers.calibration, sort_keys=True))
-
-        for name, data, tensor_type in tensors:
-            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for _, data, _ in tensors:
-            writer.write_tensor_data(data, tensor_endianess=reader.endianess)
-        writer.close()
+        add_provenance(writer, layers)
+        write_tensors(writer, tensors, reader.endianess)
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
     return dst
+
+
+def add_provenance(writer, layers: NblLayers) -> None:
+    """How the layers were chosen and fitted: keys that llama.cpp ignores and `inspect` reads."""
+    import gguf
+
+    if layers.method:
+        writer.add_string(METHOD_KEY, layers.method)
+    if layers.criterion:
+        writer.add_string(CRITERION_KEY, layers.criterion)
+    if layers.scores is not None:
+        writer.add_key_value(SCORES_KEY, [float(v) for v in layers.scores], gguf.GGUFValueType.ARRAY,
+                             sub_type=gguf.GGUFValueType.FLOAT32)
+    if layers.calibration is not None:
+        writer.add_string(CALIBRATION_KEY, json.dumps(layers.calibration, sort_keys=True))
+
+
+def write_tensors(writer, tensors: list, endianess) -> None:
+    """The file after its keys: the infos of ``tensors`` [(name, data, ggml type)], then their data; closes ``writer``."""
+    for name, data, tensor_type in tensors:
+        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data, _ in tensors:
+        writer.write_tensor_data(data, tensor_endianess=endianess)
+    writer.close()
 
 
 def quantize_weight(weight: np.ndarray, qtype) -> np.ndarray:

@@ -14,7 +14,6 @@ map fitted without one (calibration `attn.{i}.weight_nobias`). The format is in 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,18 +23,16 @@ import numpy as np
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf.nbl_format import (
     ATTENTION,
-    CALIBRATION_KEY,
-    CRITERION_KEY,
     DROPPED,
     LINEAR,
-    METHOD_KEY,
-    SCORES_KEY,
     NblLayers,
     WeightType,
+    add_provenance,
     atomic_output,
     is_attention_tensor,
     layer_of,
     quantize_weight,
+    write_tensors,
 )
 
 STOCK_ARCH = "deci"
@@ -201,24 +198,8 @@ def write_stock_gguf(src: str | os.PathLike, dst: str | os.PathLike, layers: Nbl
         writer.add_string(LAYOUT_KEY, LAYOUT)
         writer.add_key_value(LAYER_TYPES_KEY, [int(t) for t in layers.types], gguf.GGUFValueType.ARRAY,
                              sub_type=gguf.GGUFValueType.INT32)
-        if layers.method:
-            writer.add_string(METHOD_KEY, layers.method)
-        if layers.criterion:
-            writer.add_string(CRITERION_KEY, layers.criterion)
-        if layers.scores is not None:
-            writer.add_key_value(SCORES_KEY, [float(v) for v in layers.scores], gguf.GGUFValueType.ARRAY,
-                                 sub_type=gguf.GGUFValueType.FLOAT32)
-        if layers.calibration is not None:
-            writer.add_string(CALIBRATION_KEY, json.dumps(layers.calibration, sort_keys=True))
-
-        for name, data, tensor_type in tensors:
-            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for _, data, _ in tensors:
-            writer.write_tensor_data(data, tensor_endianess=reader.endianess)
-        writer.close()
+        add_provenance(writer, layers)
+        write_tensors(writer, tensors, reader.endianess)
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
