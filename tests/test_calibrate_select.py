@@ -361,6 +361,8 @@ def test_selection_bad_input(constructed):
     model, maps, cosine, _, heldout, _, _ = constructed
     with pytest.raises(NblError, match="--max-ppl-increase must be zero or positive, got -1"):
         selection.walk(evaluator_for(constructed), ranking(cosine), "cosine", budget=-1.0)
+    with pytest.raises(NblError, match="--max-ppl-increase must be zero or positive, got -1"):
+        selection.best_of(evaluator_for(constructed), {"cosine": ranking(cosine)}, budget=-1.0, walk_first="cosine")
     with pytest.raises(NblError, match="--candidates must be at least 1"):
         selection.greedy(evaluator_for(constructed), [ranking(cosine)], m=1, candidates=0)
     with pytest.raises(NblError, match="held-out slice for layer selection has 64 tokens; it needs at least 1024"):

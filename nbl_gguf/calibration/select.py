@@ -185,8 +185,8 @@ def best_of(evaluator: NestedEvaluator, rankings: dict[str, list[int]], m: int |
             trace.losses = [evaluator.trial(*trace.order)] if m else []
         else:
             fitted = max((len(t.order) for t in traces.values()), default=0)
-            increase = ppl_increase(evaluator.trial(*order[:fitted]), evaluator.base_loss) if fitted else 0.0
-            if increase > budget:
+            increase = ppl_increase(evaluator.trial(*order[:fitted]), evaluator.base_loss) if fitted else None
+            if increase is not None and increase > budget:
                 trace = SelectionTrace(criterion, evaluator.base_loss, evaluator.tokens)
                 trace.stopped = (f"its first {fitted} layers raise the held-out perplexity by {increase:+.1f}%, "
                                  f"over the budget of {budget:g}%: not walked")
