@@ -215,12 +215,7 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
     try:
         writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
         writer.data_alignment = reader.alignment  # general.alignment, when the source has it, is copied below
-        for reader_field in reader.fields.values():
-            if reader_field.name == gguf.Keys.General.ARCHITECTURE or reader_field.name.startswith("GGUF."):
-                continue
-            value_type = reader_field.types[0]
-            sub_type = reader_field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(reader_field.name, reader_field.contents(), value_type, sub_type=sub_type)
+        copy_keys(reader, writer)
         writer.add_key_value(
             LAYER_TYPES_KEY.format(arch=arch), [int(t) for t in layers.types],
             gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32,
@@ -231,6 +226,22 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
     finally:
         tmp.unlink(missing_ok=True)
     return dst
+
+
+def copy_keys(reader, writer, rename=lambda key: key) -> None:
+    """Every key of ``reader`` with its value and type, as ``rename(key)`` (None: left out); not the
+    architecture, which the writer was made with, nor the GGUF header's own fields."""
+    import gguf
+
+    for key_value in reader.fields.values():
+        if key_value.name == gguf.Keys.General.ARCHITECTURE or key_value.name.startswith("GGUF."):
+            continue
+        key = rename(key_value.name)
+        if key is None:
+            continue
+        value_type = key_value.types[0]
+        sub_type = key_value.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, key_value.contents(), value_type, sub_type=sub_type)
 
 
 def add_provenance(writer, layers: NblLayers) -> None:

@@ -29,6 +29,7 @@ from nbl_gguf.gguf.nbl_format import (
     WeightType,
     add_provenance,
     atomic_output,
+    copy_keys,
     is_attention_tensor,
     layer_of,
     quantize_weight,
@@ -181,17 +182,13 @@ def write_stock_gguf(src: str | os.PathLike, dst: str | os.PathLike, layers: Nbl
     tmp = atomic_output(dst)
     try:
         writer = gguf.GGUFWriter(tmp, arch=STOCK_ARCH, endianess=reader.endianess)
-        for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-                continue
-            key = field.name
-            if key.startswith(f"{arch}."):
-                if key[len(arch) + 1:] in PER_LAYER_KEYS:
-                    continue
-                key = f"{STOCK_ARCH}.{key[len(arch) + 1:]}"
-            value_type = field.types[0]
-            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), value_type, sub_type=sub_type)
+        def deci_key(key: str) -> str | None:
+            if not key.startswith(f"{arch}."):
+                return key
+            suffix = key[len(arch) + 1:]
+            return None if suffix in PER_LAYER_KEYS else f"{STOCK_ARCH}.{suffix}"  # per-layer keys follow
+
+        copy_keys(reader, writer, deci_key)
         for suffix, values in per_layer.items():
             writer.add_key_value(f"{STOCK_ARCH}.{suffix}", values, gguf.GGUFValueType.ARRAY,
                                  sub_type=gguf.GGUFValueType.INT32)
