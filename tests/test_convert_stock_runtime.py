@@ -428,3 +428,33 @@ def test_gguf_model_in_the_stock_layout(source, tmp_path):
                                        r"only; tiny-qwen2.gguf is a 'qwen2' model: use --runtime nbl"):
         convert(convert_args(model=str(qwen2), calibration=str(artifact_dir), m=M, runtime="stock", output=str(output)))
     assert not output.exists()
+
+
+def test_both_layouts_keep_a_source_data_alignment(tmp_path):
+    """A source written with general.alignment = 64: both writers copy the key, so their tensor data
+    must be laid out at that alignment too, or every tensor after the first reads back wrong."""
+    import gguf
+
+    from nbl_gguf.fixtures.tiny import TinyLlama
+
+    model = TinyLlama(n_layer=2)
+    plain = gguf.GGUFReader(model.write_gguf(tmp_path / "plain.gguf"))
+    source = tmp_path / "aligned-64.gguf"
+    writer = gguf.GGUFWriter(source, arch="llama")
+    nbl_format.copy_keys(plain, writer)
+    writer.data_alignment = 64
+    writer.add_uint32("general.alignment", 64)
+    nbl_format.write_tensors(writer, [(t.name, t.data, t.tensor_type) for t in plain.tensors], plain.endianess)
+    reader = gguf.GGUFReader(source)
+    assert reader.alignment == 64
+    source_bytes = {t.name: bytes(t.data) for t in reader.tensors}
+    kept = {name for name in source_bytes if not name.startswith("blk.1.attn")}
+
+    stock = stock_layout.write_stock_gguf(source, tmp_path / "deci.gguf", nbl_format.NblLayers(types=[A, D]))
+    nbl = nbl_format.write_nbl_gguf(source, tmp_path / "nbl.gguf", nbl_format.NblLayers(types=[A, D]))
+    for path in (stock, nbl):
+        written = gguf.GGUFReader(path)
+        assert written.alignment == 64
+        tensors = {t.name: bytes(t.data) for t in written.tensors}
+        assert kept <= set(tensors) <= set(source_bytes), path.name  # the NBL layout keeps blk.1.attn_norm
+        assert all(data == source_bytes[name] for name, data in tensors.items()), path.name

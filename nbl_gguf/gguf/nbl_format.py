@@ -214,7 +214,6 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
     tmp = atomic_output(dst)
     try:
         writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
-        writer.data_alignment = reader.alignment  # general.alignment, when the source has it, is copied below
         copy_keys(reader, writer)
         writer.add_key_value(
             LAYER_TYPES_KEY.format(arch=arch), [int(t) for t in layers.types],
@@ -233,6 +232,7 @@ def copy_keys(reader, writer, rename=lambda key: key) -> None:
     architecture, which the writer was made with, nor the GGUF header's own fields."""
     import gguf
 
+    writer.data_alignment = reader.alignment  # general.alignment, when the source has it, is copied below
     for key_value in reader.fields.values():
         if key_value.name == gguf.Keys.General.ARCHITECTURE or key_value.name.startswith("GGUF."):
             continue
