@@ -151,7 +151,9 @@ def test_calibrate_end_to_end_artifact(tiny_checkpoint):
     assert len(report["data"]["sha256"]) == 64
     assert report["selection"] == {"method": "attn-nbl", "criterion": "cosine", "m": 1,
                                    "layers": art.select()}
-    assert set(report["timings_s"]) >= {"load_model", "load_data", "forward_and_statistics", "solve"}
+    assert set(report["timings_s"]) >= {"load_model", "load_data", "layers"}  # streamed: per layer
+    assert set(report["resources"]["layers"]) >= {"wall_s", "peak_rss_bytes"}
+    assert report["statistics"]["streamed"] and len(report["statistics"]["stream"]["per_layer_s"]) == 3
     for target in ("attn", "block"):
         for criterion in ("cca", "nmse", "cosine"):
             assert np.isfinite(art.scores(criterion, target)).all()

@@ -133,3 +133,19 @@ def apply_nbl(model, layer_types: Sequence[int] | Mapping[int, int], linear=None
             # W x + b already is the block's output after this norm (the fit was taken there)
             setattr(layer, adapter.attn_out_norm, nn.Identity())
     return model
+
+
+def replace_layer(model, layer: int, layer_type: int, linear):
+    """Replace ``layer`` (apply_nbl) and return the function that puts the original modules back."""
+    adapter = get_adapter(model)
+    layers = decoder_layers(model)
+    block = layers[layer]
+    saved = {name: getattr(block, name) for name in (adapter.attn, adapter.attn_out_norm) if name}
+    apply_nbl(model, {layer: layer_type}, linear)
+
+    def restore():
+        layers[layer] = block  # a block-nbl layer replaced the whole decoder layer
+        for name, module in saved.items():
+            setattr(block, name, module)
+
+    return restore

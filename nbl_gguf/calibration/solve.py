@@ -137,3 +137,48 @@ def select_layers(scores, m: int) -> list[int]:
 def ranking(scores) -> list[int]:
     """All layer indices, most redundant (lowest score) first."""
     return [int(i) for i in np.argsort(np.asarray(scores, dtype=np.float64), kind="stable")]
+
+
+SMALL_SOLVE = 1024  # below this hidden size, a CPU solve runs on one thread (see solve_layer)
+
+
+def solve_layer(index: int, attn, block, attn_cosine: float, block_cosine: float | None,
+                save_covariances: bool = False) -> tuple[dict, dict]:
+    """A layer's artifact record from its accumulators (calibration.statistics): the entry of its
+    scores ({"index", "attn": {...}, "block": {...}}) and its tensors (maps with and without bias,
+    means, canonical correlations; covariances on request). ``block`` may be None."""
+    import dataclasses
+
+    # Multithreaded LAPACK eigh/svd on a small matrix gains little and, on a busy CPU, its spinning
+    # threads slowed it 10-200x in our measurements; one thread is fast and predictable there.
+    small_cpu = attn.device.type == "cpu" and attn.sum_xx.shape[0] <= SMALL_SOLVE
+    threads = torch.get_num_threads()
+    if small_cpu:
+        torch.set_num_threads(1)
+    try:
+        moments = attn.moments()
+        attention = fit(moments, residual=True)
+        attention = dataclasses.replace(attention, without_bias=fit_without_bias(moments))
+        per_target = [("attn", attention, attn_cosine, moments)]
+        if block is not None:
+            block_moments = block.moments()
+            per_target.append(("block", fit(block_moments, residual=False), block_cosine, block_moments))
+    finally:
+        torch.set_num_threads(threads)
+    entry: dict = {"index": index}
+    tensors: dict[str, np.ndarray] = {}
+    for target, f, cosine, m in per_target:
+        entry[target] = {"cca": f.cca_bound, "nmse": f.nmse, "cosine": cosine, "ridge": f.ridge, "cond": f.cond}
+        tensors[f"{target}.{index}.weight"] = f.weight.float().cpu().numpy()
+        tensors[f"{target}.{index}.bias"] = f.bias.float().cpu().numpy()
+        tensors[f"{target}.{index}.mean_x"] = m.mean_x.cpu().numpy()
+        tensors[f"{target}.{index}.mean_y"] = m.mean_y.cpu().numpy()
+        tensors[f"{target}.{index}.rho"] = f.rho.cpu().numpy()
+        if save_covariances:
+            for name in ("cxx", "cyx", "cyy"):
+                tensors[f"{target}.{index}.{name}"] = getattr(m, name).cpu().numpy()
+    nobias = attention.without_bias
+    entry["attn"]["nmse_nobias"] = nobias.nmse
+    entry["attn"]["ridge_nobias"] = nobias.ridge
+    tensors[f"attn.{index}.weight_nobias"] = nobias.weight.float().cpu().numpy()
+    return entry, tensors

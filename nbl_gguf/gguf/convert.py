@@ -18,13 +18,16 @@ import os
 import re
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nbl_gguf.calibration.artifact import CRITERIA
-from nbl_gguf.calibration.calibrate import add_dataset_arguments, add_selection_arguments, selection_budget
+from nbl_gguf.calibration.calibrate import (add_compute_arguments, add_dataset_arguments, add_selection_arguments,
+                                            selection_budget)
 from nbl_gguf.errors import NblError
 from nbl_gguf.outputs import check_output_dir, check_output_file
+from nbl_gguf.usage import StageMeter
 
 METHODS = ("attn-nbl", "attn-drop")
 # --runtime: which llama.cpp runs the file, and so its layout (docs/gguf-format.md)
@@ -62,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="calibration windows (default: calibrate's: 256 on CUDA, 32 on a CPU)")
     parser.add_argument("--seqlen", type=int, default=None, help="tokens per calibration window (default: calibrate's)")
     parser.add_argument("--batch-size", type=int, default=1, help="calibration windows per forward pass")
-    parser.add_argument("--device", default="auto", help="calibration device: cuda, cuda:N or cpu")
+    add_compute_arguments(parser)
     parser.add_argument("--calibration", default=None, metavar="ARTIFACT",
                         help="reuse a calibration artifact directory (from `calibrate`) instead of calibrating")
     parser.add_argument("--save-calibration", default=None, metavar="DIR",
@@ -234,14 +237,18 @@ def _measured_selection(selection: dict, layers: list[int] | None) -> dict:
     return {"selection": {key: selection[key] for key in keys if key in selection}}
 
 
-def calibrate_into(directory: Path, model_dir: Path, args) -> Path:
-    """Run the calibrator (its Python entry point, same options as `calibrate`) into ``directory``."""
+def calibrate_into(directory: Path, model, args) -> Path:
+    """Run the calibrator (its Python entry point, same options as `calibrate`) into ``directory``;
+    ``model`` is what calibrate's --model takes (a HF folder, or a GGUF file, which it streams from)."""
     from nbl_gguf.calibration import calibrate
 
     parser = argparse.ArgumentParser()
     calibrate.add_arguments(parser)
     cargs = parser.parse_args([])
-    cargs.model = str(model_dir)
+    cargs.model = str(model)
+    for name in ("dtype", "memory_budget", "whole_model", "no_progress"):  # callers' namespaces may lack them
+        if hasattr(args, name):
+            setattr(cargs, name, getattr(args, name))
     cargs.dataset = args.dataset
     cargs.dataset_config = args.dataset_config
     cargs.split = args.split
@@ -370,6 +377,7 @@ class Summary:
     runtime: str = "nbl"
     extra: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # printed under the table
+    resources: dict = field(default_factory=dict)  # usage.StageMeter.stages of the run
 
     def table(self) -> str:
         from nbl_gguf.gguf.inspect import human_bytes
@@ -459,58 +467,64 @@ def convert(args) -> Summary:
     if not args.no_eval:
         steps.append("held-out perplexity")
     progress = tqdm(total=len(steps), desc="convert", unit="step", disable=args.no_progress, file=sys.stderr)
+    meter = StageMeter()
 
-    def step(name):
+    @contextmanager
+    def stage(name):
         progress.set_postfix_str(name)
+        with meter(name):
+            yield
+        progress.update()
 
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.work-", dir=output.parent) as tmp:
         tmp = Path(tmp)
         # 1. calibration
-        step(steps[0])
-        if args.calibration:
-            artifact = load_artifact(args.calibration)
-        else:
-            target = Path(args.save_calibration) if args.save_calibration else tmp / "calibration"
-            artifact = load_artifact(calibrate_into(target, source.hf_folder(), args))
-        if artifact.num_layers != n_layer:
-            raise NblError(f"the calibration has {artifact.num_layers} layers but {source.name} has {n_layer}: "
-                           f"it was made for another model")
-        artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
-        if artifact_hidden is not None and int(artifact_hidden) != hidden:
-            raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
-        selected = chosen_layers(artifact, args, method, n_layer)
-        # greedy has no per-layer score: its reasons are the held-out losses in the provenance
-        scores = [float(s) for s in artifact.scores(args.criterion, "attn")] if args.criterion in CRITERIA else None
-        layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
-        types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
-        linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
-        layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion, scores=scores,
-                                      calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
-        progress.update()
+        with stage(steps[0]):
+            if args.calibration:
+                artifact = load_artifact(args.calibration)
+            else:
+                target = Path(args.save_calibration) if args.save_calibration else tmp / "calibration"
+                model = source.gguf.path if source.gguf is not None else source.hf_folder()
+                artifact = load_artifact(calibrate_into(target, model, args))
+            if artifact.num_layers != n_layer:
+                raise NblError(f"the calibration has {artifact.num_layers} layers but {source.name} has {n_layer}: "
+                               f"it was made for another model")
+            artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
+            if artifact_hidden is not None and int(artifact_hidden) != hidden:
+                raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
+            selected = chosen_layers(artifact, args, method, n_layer)
+            # greedy has no per-layer score: its reasons are the held-out losses in the provenance
+            scores = [float(s) for s in artifact.scores(args.criterion, "attn")] if args.criterion in CRITERIA else None
+            layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
+            types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
+            linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
+            layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion,
+                                          scores=scores,
+                                          calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
+        if not args.calibration:
+            # the calibration's own stages, measured inside it (layers, selection, ...)
+            meter.merge(artifact.report.get("resources", {}), prefix="calibrate: ")
 
         notes = []
         if source.gguf is not None:
             # 2. surgery on the user's own file: it is the stock file of the comparison
-            step("NBL surgery")
-            weights = nbl_format.weight_types(source.gguf.path, layers, args.nbl_type)
-            writer(args.runtime)(source.gguf.path, output, layers, weight_type=weights)
-            stock_final = source.gguf.path
-            notes = gguf_notes(source.gguf, weights, args.nbl_type, args.runtime)
-            progress.update()
+            with stage("NBL surgery"):
+                weights = nbl_format.weight_types(source.gguf.path, layers, args.nbl_type)
+                writer(args.runtime)(source.gguf.path, output, layers, weight_type=weights)
+                stock_final = source.gguf.path
+                notes = gguf_notes(source.gguf, weights, args.nbl_type, args.runtime)
         else:
             # 2. stock conversion
-            step(steps[1])
             model_dir = source.hf_folder()
             intermediate = quant.lower() if quant in FLOAT_OUTPUTS else args.intermediate
-            stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
-            progress.update()
+            with stage(steps[1]):
+                stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
 
             # 3. NBL rewrite
-            step(steps[2])
             final_float = quant in FLOAT_OUTPUTS
             nbl_path = output if final_float else tmp / f"nbl-{intermediate}.gguf"
-            writer(args.runtime)(stock, nbl_path, layers, weight_type=intermediate.upper())
-            progress.update()
+            with stage(steps[2]):
+                writer(args.runtime)(stock, nbl_path, layers, weight_type=intermediate.upper())
 
             # 4. quantization of both (the stock one only for the size comparison)
             if final_float:
@@ -518,22 +532,19 @@ def convert(args) -> Summary:
             else:
                 imatrix = None
                 if args.imatrix:
-                    step("imatrix")
-                    ctx = imatrix_context(artifact)
-                    imatrix = compute_imatrix(nbl_path, calibration_texts(args, artifact, ctx), tmp / "imatrix.gguf",
-                                              ctx=ctx, chunks=args.imatrix_chunks, threads=args.threads, seed=args.seed)
-                    progress.update()
-                step("quantize stock")
-                stock_final = quantize(stock, tmp / f"stock-{quant}.gguf", quant, threads=args.threads)
-                progress.update()
-                step("quantize NBL")
-                quantize(nbl_path, output, quant, imatrix=imatrix, threads=args.threads)
-                progress.update()
+                    with stage("imatrix"):
+                        ctx = imatrix_context(artifact)
+                        imatrix = compute_imatrix(nbl_path, calibration_texts(args, artifact, ctx),
+                                                  tmp / "imatrix.gguf", ctx=ctx, chunks=args.imatrix_chunks,
+                                                  threads=args.threads, seed=args.seed)
+                with stage("quantize stock"):
+                    stock_final = quantize(stock, tmp / f"stock-{quant}.gguf", quant, threads=args.threads)
+                with stage("quantize NBL"):
+                    quantize(nbl_path, output, quant, imatrix=imatrix, threads=args.threads)
         heldout = None
         if not args.no_eval:
-            step("held-out perplexity")
-            heldout = heldout_perplexities(stock_final, output, tmp, args)
-            progress.update()
+            with stage("held-out perplexity"):
+                heldout = heldout_perplexities(stock_final, output, tmp, args)
         progress.close()
         _default_permissions(output)
 
@@ -543,7 +554,7 @@ def convert(args) -> Summary:
             model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=method,
             criterion=args.criterion, n_layer=n_layer, replaced=selected, scores=scores,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
-            kv_stock=kv_stock, kv_nbl=kv_nbl, output=output, runtime=args.runtime,
+            kv_stock=kv_stock, kv_nbl=kv_nbl, output=output, runtime=args.runtime, resources=meter.stages,
         )
 
 
@@ -569,7 +580,22 @@ def _default_permissions(path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
+def resources_table(stages: dict) -> str:
+    """Wall time and peak memory of each stage (the calibration's own stages indented under it)."""
+    from nbl_gguf.gguf.inspect import human_bytes
+
+    lines = ["  time and memory (peak resident set of this process; the llama.cpp tools apart):"]
+    for name, record in stages.items():
+        tools = record.get("tools_peak_rss_bytes") or {}
+        extra = "".join(f", {tool} {human_bytes(peak)}" for tool, peak in tools.items())
+        gpu = f", GPU {human_bytes(record['peak_gpu_bytes'])}" if "peak_gpu_bytes" in record else ""
+        lines.append(f"    {name:<32} {record['wall_s']:>9.1f} s  {human_bytes(record['peak_rss_bytes']):>11}{gpu}{extra}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     summary = convert(args)
     print(summary.table())
+    if summary.resources:
+        print(resources_table(summary.resources))
     return 0

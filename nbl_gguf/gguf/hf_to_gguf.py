@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.llamacpp.tools import source_dir
+from nbl_gguf.llamacpp.tools import run_measured, source_dir
 
 OUTTYPES = ("f32", "f16", "bf16")
 
@@ -62,8 +62,7 @@ def convert_hf_to_gguf(model_dir: str | os.PathLike, outfile: str | os.PathLike,
     env.pop("NO_LOCAL_GGUF", None)  # always the pinned tree's gguf-py
     env.setdefault("PYTHONIOENCODING", "utf-8")
     try:
-        completed = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(script.parent),
-                                   timeout=timeout)
+        completed = run_measured(command, "convert_hf_to_gguf.py", env=env, cwd=str(script.parent), timeout=timeout)
         if completed.returncode != 0 or not tmp.is_file():
             raise NblError(f"the llama.cpp converter failed on {model_dir} (exit {completed.returncode}):\n"
                            + _tail(completed.stdout + completed.stderr))

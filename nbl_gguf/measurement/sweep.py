@@ -10,7 +10,6 @@ determines them, so an interrupted sweep resumes where it stopped. The tables, C
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import platform
@@ -137,32 +136,34 @@ def best_choices(artifact, source, methods: list[str], ms: list[int], cache, cal
     from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
     from nbl_gguf.calibration.calibrate import DEFAULT_SELECTION_TOKENS
     from nbl_gguf.calibration.dataset import load_calibration
-    from nbl_gguf.calibration.select import NestedEvaluator, best_of
+    from nbl_gguf.calibration.select import best_of
     from nbl_gguf.calibration.solve import ranking
-    from nbl_gguf.models import load_model, max_context
+    from nbl_gguf.calibration.stream import LayerStream, StreamedEvaluator
+    from nbl_gguf.models import max_context
 
     data = artifact.report["data"]
     seqlen, fit_windows = int(data["seqlen"]), int(data["nsamples"])
     held = int(data.get("selection_windows") or 0) or -(-DEFAULT_SELECTION_TOKENS // seqlen)
     torch.manual_seed(0)
-    loaded = load_model(str(source.hf_folder()), "fp32", "cpu")
-    windows = load_calibration(loaded.tokenizer, data.get("dataset"), fit_windows + held, seqlen,
+    stream = LayerStream(source, torch.float32, "cpu")
+    windows = load_calibration(stream.tokenizer, data.get("dataset"), fit_windows + held, seqlen,
                                config=data.get("dataset_config"), split=data.get("split") or "train",
-                               max_positions=max_context(loaded.config))
+                               max_positions=max_context(stream.config))
     if windows.nsamples <= fit_windows:
         raise NblError(f"--criterion best: the calibration text has no windows left after the {fit_windows} fit "
                        f"windows to choose the layers on")
     heldout = windows.input_ids[fit_windows:]
-    linear = {i: artifact.linear(i, "attn") for i in range(artifact.num_layers)}
     rankings = {c: ranking(artifact.scores(c, "attn")) for c in CRITERIA}
     choices = {}
     for method in methods:
-        evaluator = NestedEvaluator(loaded.model, heldout, METHOD_LAYER_TYPE[method], linear)
+        evaluator = StreamedEvaluator(stream, heldout, METHOD_LAYER_TYPE[method],
+                                      lambda k, _type: artifact.linear(k, "attn"))
         for m in ms:
             _log(f"best: {method} m = {m} on {evaluator.tokens} held-out calibration tokens")
             chosen, _, compared = best_of(evaluator, rankings, m)
             cache.put(keys[(method, m)], {"chosen": chosen, "compared": compared})
             choices[(method, m)] = chosen
+        evaluator.close()
     return choices
 
 
@@ -294,7 +295,7 @@ def run_sweep(args) -> int:
     from nbl_gguf.measurement.perplexity import evaluate
     from nbl_gguf.measurement.tasks import _task_files, check_text
     from nbl_gguf.calibration.dataset import write_heldout_text
-    from nbl_gguf.measurement.torch_ppl import llama_tokens, prompt_text, torch_perplexity
+    from nbl_gguf.measurement.torch_ppl import llama_tokens, prompt_text
 
     started = time.time()
     gguf_input = is_gguf_file(args.model)
@@ -404,34 +405,30 @@ def run_sweep(args) -> int:
     # 2. the same configurations in PyTorch float32
     torch_results: dict[str, dict] = {}
     if not args.no_pytorch and text_file is not None:
-        loaded = None
-        tokens = bos = None
         configs = main + [c for c in criteria if c.key not in {x.key for x in main}]
-        for index, config in enumerate(configs, 1):
-            key = f"torch|{calib_tag}|{config.key}|{eval_tag}"
-            cached = cache.get(key)
-            if cached is None:
-                if loaded is None:
-                    import torch
+        keys = {config.key: f"torch|{calib_tag}|{config.key}|{eval_tag}" for config in configs}
+        missing = [config for config in configs if cache.get(keys[config.key]) is None]
+        if missing:
+            import torch
 
-                    from nbl_gguf.models import load_model
+            from nbl_gguf.calibration.apply import BLOCK_LINEAR
+            from nbl_gguf.measurement.torch_ppl import streamed_perplexities
 
-                    torch.manual_seed(0)
-                    if args.threads:
-                        torch.set_num_threads(args.threads)
-                    loaded = load_model(str(source.hf_folder()), "fp32", "cpu", name=source.name)
-                    tokens, bos = llama_tokens(factory.stock, prompt_text(text_file))
-                from nbl_gguf.calibration.apply import apply_nbl
-
-                _log(f"[{index}/{len(configs)}] pytorch perplexity {config.label}")
-                t0 = time.time()
-                model = loaded.model if config.method == "baseline" else copy.deepcopy(loaded.model)
-                if config.method != "baseline":
-                    apply_nbl(model, config.apply_types(n_layer), artifact)
-                ppl = torch_perplexity(model, tokens, args.ctx_size, chunks=args.chunks, bos=bos, progress=True)
-                cached = cache.put(key, {**asdict(ppl), "tokens": ppl.tokens, "seconds": round(time.time() - t0, 1)})
-                del model
-            torch_results[config.key] = cached
+            torch.manual_seed(0)
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            tokens, bos = llama_tokens(factory.stock, prompt_text(text_file))
+            variants = {config.key: {i: t for i, t in enumerate(config.apply_types(n_layer)) if t} for config in missing}
+            _log(f"pytorch perplexity of {len(missing)} configurations, the model streamed one layer at a time")
+            t0 = time.time()
+            results = streamed_perplexities(
+                source, variants, lambda k, kind: artifact.linear(k, "block" if kind == BLOCK_LINEAR else "attn"),
+                tokens, args.ctx_size, chunks=args.chunks, bos=bos, dtype="fp32", device="cpu")
+            seconds = round(time.time() - t0, 1)
+            for config in missing:
+                ppl = results[config.key]
+                cache.put(keys[config.key], {**asdict(ppl), "tokens": ppl.tokens, "seconds": seconds})
+        torch_results = {config.key: cache.get(keys[config.key]) for config in configs}
 
     # 3. report
     rows = collect_rows(main, criteria, quants, results, torch_results, kv, task_files)
