@@ -6,6 +6,7 @@ The tiny model carries the embedded SmolLM2 tokenizer, which the pinned converte
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -147,10 +148,14 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
     assert outputs[0].read_bytes() == outputs[1].read_bytes()
 
     assert summary.n_layer == N_LAYER and len(summary.replaced) == 2
-    assert summary.kv_nbl * 2 == summary.kv_stock == N_LAYER * 2 * 2 * 16 * 2
+    # at 4096 (the summary's context; the tiny model's training context is shorter): every layer caches
+    # 4096 cells of 2 KV heads x 16 dims, K and V, F16
+    stock, nbl = summary.kv[4096]
+    assert list(summary.kv) == [4096]
+    assert nbl.bytes * 2 == stock.bytes == N_LAYER * 4096 * 2 * 2 * 16 * 2
     assert summary.stock_bytes > summary.nbl_bytes > 0
     table = summary.table()
-    assert "KV cache bytes/token" in table and "-50.0%" in table
+    assert "KV cache at 4,096 tokens (F16) 2.00 MiB 1.00 MiB -50.0%" in [" ".join(row.split()) for row in table.splitlines()]
 
     reader = gguf.GGUFReader(outputs[0])
     types = nbl_format.read_layer_types(reader)
@@ -194,7 +199,11 @@ def test_convert_reuses_calibration_attn_drop_f16(tiny_hf, tiny_artifact, tmp_pa
     assert "1 of 4 attention layers replaced (0 linear, 1 dropped)" in text
     assert "method:        attn-drop    criterion: nmse" in text
     assert f"{dropped[0]:5d}  dropped" in text
-    assert "KV cache:      384 bytes/token (F16)  vs stock 512  (75.0%)" in text
+    # the tiny model's training context, 256 tokens: 256 cells of 2 KV heads x 16 dims, K and V, F16, per layer
+    assert "KV cache:      96.00 KiB at 256 tokens (training context) vs stock 128.00 KiB (-25.0%)" in text
+    assert "384 bytes per token vs stock 512" in text
+    # the dropped layer's row: its score, then the 256 cells x 128 bytes its cache would hold
+    assert re.search(rf"^ +{dropped[0]}  dropped +[\d.]+ +freed 32\.00 KiB  -", text, re.M)
     assert cli.main(["inspect", "--json", str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["replaced"] == {"linear": 0, "dropped": 1}
@@ -350,8 +359,11 @@ def test_inspect_stock_and_nbl_tiny_gguf(tmp_path, capsys):
     assert cli.main(["inspect", "--tensors", str(nbl)]) == 0
     text = capsys.readouterr().out
     assert "2 of 3 attention layers replaced (1 linear, 1 dropped)" in text
-    assert "    0  linear     0.1000    attn_nbl:F32 attn_nbl.bias:F32" in text
-    assert "    2  dropped    0.2000    -" in text
+    rows = [" ".join(line.split()) for line in text.splitlines()]
+    # each layer's cache at the training context, 4096: 4096 cells x 2 KV heads x 16 dims x K, V x F16
+    assert "0 linear 0.1000 freed 512.00 KiB attn_nbl:F32 attn_nbl.bias:F32 (+5 F32)" in rows
+    assert "1 attention 0.5000 512.00 KiB attn_k:F32 attn_output:F32 attn_q:F32 attn_v:F32 (+5 F32)" in rows
+    assert "2 dropped 0.2000 freed 512.00 KiB - (+5 F32)" in rows
     assert '"seed": 7' in text and "blk.0.attn_nbl.weight" in text
 
 

@@ -325,7 +325,10 @@ def test_untouched_tensors_keep_their_bytes(smol, embedded_gguf):
     assert provenance["source_gguf"] == {"file": embedded_gguf.name,
                                          "sha256": hashlib.sha256(embedded_gguf.read_bytes()).hexdigest()}
     assert summary.quant == "Q4_1" and summary.stock_bytes == embedded_gguf.stat().st_size
-    assert summary.kv_nbl == summary.kv_stock * (30 - M) // 30
+    # SmolLM2-135M: 30 layers of 3 KV heads x 64 dims, every one caching the whole context (8192 to train)
+    assert list(summary.kv) == [4096, 8192]
+    for n_ctx, (stock, nbl) in summary.kv.items():
+        assert stock.bytes == 30 * n_ctx * 3 * 64 * 2 * 2 and nbl.bytes == stock.bytes * (30 - M) // 30
     table = summary.table()
     assert "stock Q4_1" in table and f"{embedded_gguf.name} itself" in table
     assert f"NBL weights: Q4_1 in layers {', '.join(map(str, summary.replaced))} (their attn_output's type)" in table

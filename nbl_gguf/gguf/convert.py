@@ -41,6 +41,7 @@ DEFAULT_QUANT = "q4_k_m"
 # the summary's held-out perplexity: a small slice, so that it costs seconds on a small model
 EVAL_CTX = 512
 EVAL_CHUNKS = 8
+SUMMARY_CTX = 4096  # the summary's KV cache figures: at this context, and at the model's training context
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -370,8 +371,7 @@ class Summary:
     scores: list[float] | None
     stock_bytes: int
     nbl_bytes: int
-    kv_stock: int
-    kv_nbl: int
+    kv: dict  # context -> (stock, NBL) kv_cache.KvSize, as llama-cli allocates the cache
     output: Path
     heldout: dict | None = None  # heldout_perplexities(), or None with --no-eval
     runtime: str = "nbl"
@@ -390,10 +390,16 @@ class Summary:
             ("attention layers", str(self.n_layer), str(self.n_layer - len(self.replaced)), f"-{len(self.replaced)}"),
             ("file size", human_bytes(self.stock_bytes), human_bytes(self.nbl_bytes),
              change(self.stock_bytes, self.nbl_bytes)),
-            ("KV cache bytes/token (F16)", f"{self.kv_stock:,}", f"{self.kv_nbl:,}", change(self.kv_stock, self.kv_nbl)),
-            ("KV cache at 4096 tokens", human_bytes(self.kv_stock * 4096), human_bytes(self.kv_nbl * 4096),
-             change(self.kv_stock, self.kv_nbl)),
         ]
+        for n_ctx, (stock, nbl) in self.kv.items():
+            rows.append((f"KV cache at {n_ctx:,} tokens (F16)", human_bytes(stock.bytes), human_bytes(nbl.bytes),
+                         change(stock.bytes, nbl.bytes)))
+            if "sliding" in stock.caches:
+                # llama.cpp keeps two caches: the window's cells for the sliding layers, every token for the others
+                for name, what in (("global", "global layers"), ("sliding", "sliding-window layers")):
+                    before, after = stock.caches[name], nbl.caches[name]
+                    rows.append((f"  {what}: {after.cells:,} cells", human_bytes(before.bytes), human_bytes(after.bytes),
+                                 change(before.bytes, after.bytes)))
         if self.heldout:
             rows.append((f"held-out perplexity ({self.heldout['tokens']:,} tokens)", f"{self.heldout['stock']:.3f}",
                          f"{self.heldout['nbl']:.3f}", change(self.heldout["stock"], self.heldout["nbl"])))
@@ -426,7 +432,7 @@ def convert(args) -> Summary:
     from nbl_gguf.gguf import nbl_format
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf
-    from nbl_gguf.gguf.inspect import kv_bytes_per_token
+    from nbl_gguf.gguf.inspect import kv_sizes, training_context
     from nbl_gguf.gguf.quantize import compute_imatrix, quantize
 
     # cheap checks first: a typo must not cost a calibration
@@ -549,12 +555,14 @@ def convert(args) -> Summary:
         _default_permissions(output)
 
         stock_reader = gguf.GGUFReader(stock_final)
-        kv_stock, kv_nbl = kv_bytes_per_token(stock_reader, types)
+        # the KV cache at the summary's context and at the training context, llama-cli's default -c, if longer
+        contexts = sorted({SUMMARY_CTX, max(SUMMARY_CTX, training_context(stock_reader) or 0)})
+        kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types) for n_ctx in contexts}
         return Summary(heldout=heldout, notes=notes,
             model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=method,
             criterion=args.criterion, n_layer=n_layer, replaced=selected, scores=scores,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
-            kv_stock=kv_stock, kv_nbl=kv_nbl, output=output, runtime=args.runtime, resources=meter.stages,
+            kv=kv, output=output, runtime=args.runtime, resources=meter.stages,
         )
 
 
