@@ -247,7 +247,8 @@ def calibrate_into(directory: Path, model, args) -> Path:
     calibrate.add_arguments(parser)
     cargs = parser.parse_args([])
     cargs.model = str(model)
-    for name in ("dtype", "memory_budget", "whole_model", "no_progress"):  # callers' namespaces may lack them
+    # callers' namespaces may lack them
+    for name in ("dtype", "memory_budget", "whole_model", "no_progress", "selection_text", "ctx_size"):
         if hasattr(args, name):
             setattr(cargs, name, getattr(args, name))
     cargs.dataset = args.dataset
@@ -292,16 +293,19 @@ def chosen_layers(artifact, args, method: str, n_layer: int) -> list[int]:
 
 
 def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args) -> dict:
-    """llama-perplexity of the stock and the NBL file on the first chunks of the bundled held-out text
-    (documents never used for calibration)."""
-    from nbl_gguf.calibration.dataset import write_heldout_text
+    """{kind: llama-perplexity of the stock and the NBL file} on the first chunks of each bundled kind's
+    evaluation part (C4 web text, Python docs, Python code: text never calibrated or selected on)."""
+    from nbl_gguf.calibration.dataset import KINDS, write_evaluation_text
     from nbl_gguf.llamacpp.perplexity import perplexity
 
-    text = write_heldout_text(tmp / "heldout.txt")
-    results = {name: perplexity(path, text, n_ctx=EVAL_CTX, chunks=args.eval_chunks, threads=args.threads)
-               for name, path in (("stock", stock), ("nbl", nbl))}
-    return {"tokens": results["nbl"].tokens, "chunks": results["nbl"].chunks, "ctx": EVAL_CTX,
-            "stock": results["stock"].ppl, "nbl": results["nbl"].ppl}
+    measured = {}
+    for kind in KINDS:
+        text = write_evaluation_text(kind, tmp / f"heldout-{kind}.txt")
+        results = {name: perplexity(path, text, n_ctx=EVAL_CTX, chunks=args.eval_chunks, threads=args.threads)
+                   for name, path in (("stock", stock), ("nbl", nbl))}
+        measured[kind] = {"tokens": results["nbl"].tokens, "chunks": results["nbl"].chunks, "ctx": EVAL_CTX,
+                          "stock": results["stock"].ppl, "nbl": results["nbl"].ppl}
+    return measured
 
 
 def imatrix_context(artifact) -> int:
@@ -373,7 +377,7 @@ class Summary:
     nbl_bytes: int
     kv: dict  # context -> (stock, NBL) kv_cache.KvSize, as llama-cli allocates the cache
     output: Path
-    heldout: dict | None = None  # heldout_perplexities(), or None with --no-eval
+    heldout: dict | None = None  # heldout_perplexities(): {kind: ...}, or None with --no-eval
     runtime: str = "nbl"
     extra: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # printed under the table
@@ -400,9 +404,11 @@ class Summary:
                     before, after = stock.caches[name], nbl.caches[name]
                     rows.append((f"  {what}: {after.cells:,} cells", human_bytes(before.bytes), human_bytes(after.bytes),
                                  change(before.bytes, after.bytes)))
-        if self.heldout:
-            rows.append((f"held-out perplexity ({self.heldout['tokens']:,} tokens)", f"{self.heldout['stock']:.3f}",
-                         f"{self.heldout['nbl']:.3f}", change(self.heldout["stock"], self.heldout["nbl"])))
+        from nbl_gguf.calibration.dataset import KINDS
+
+        for kind, measured in (self.heldout or {}).items():
+            rows.append((f"held-out perplexity, {KINDS[kind].label} ({measured['tokens']:,} tokens)",
+                         f"{measured['stock']:.3f}", f"{measured['nbl']:.3f}", change(measured["stock"], measured["nbl"])))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"{self.model}: {self.method} by {self.criterion}, {len(self.replaced)} of {self.n_layer} layers "
                  f"replaced: {', '.join(map(str, self.replaced)) or 'none'}"]
@@ -415,8 +421,12 @@ class Summary:
             if index == 0:
                 lines.append("  " + "  ".join("-" * w for w in widths))
         if self.heldout:
-            lines.append(f"  held-out perplexity: llama-perplexity, {self.heldout['chunks']} chunks of "
-                         f"{self.heldout['ctx']} tokens of the bundled C4 documents never used for calibration")
+            first = next(iter(self.heldout.values()))
+            lines.append(f"  held-out perplexity: llama-perplexity, up to {first['chunks']} chunks of {first['ctx']} "
+                         f"tokens of each kind's bundled documents never used for calibration or layer selection")
+            worst = max(self.heldout, key=lambda kind: self.heldout[kind]["nbl"] / self.heldout[kind]["stock"])
+            lines.append(f"  worst kind of text: {KINDS[worst].label}, "
+                         f"{change(self.heldout[worst]['stock'], self.heldout[worst]['nbl'])}")
         lines += [f"  {note}" for note in self.notes]
         lines.append(f"  layout: {RUNTIMES[self.runtime]}")
         lines.append(f"  output: {self.output}")
@@ -557,6 +567,8 @@ def convert(args) -> Summary:
         stock_reader = gguf.GGUFReader(stock_final)
         # the KV cache at the summary's context and at the training context, llama-cli's default -c, if longer
         contexts = sorted({SUMMARY_CTX, max(SUMMARY_CTX, training_context(stock_reader) or 0)})
+        if getattr(args, "ctx_size", None):  # the context the selection reported its saving at
+            contexts = sorted({SUMMARY_CTX, args.ctx_size})
         kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types) for n_ctx in contexts}
         return Summary(heldout=heldout, notes=notes,
             model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=method,
