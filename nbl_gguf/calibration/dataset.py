@@ -117,12 +117,12 @@ def parse_selection_text(text: str) -> dict[str, float]:
         weights[kind] = value
     if not sum(weights.values()) > 0:
         raise NblError(f"--selection-text {text!r}: the weights add up to nothing")
-    return weights
+    return {kind: weights[kind] for kind in MIX_KINDS if kind in weights}  # the windows' order: calibration, prose, code
 
 
 def mix_windows(weights: dict[str, float], total: int) -> dict[str, int]:
     """``total`` windows shared among the kinds in proportion to ``weights``: each kind its whole share,
-    the rest one each to the largest remainders (ties to the kind named first)."""
+    the rest one each to the largest remainders (ties to the earlier kind in ``weights``)."""
     scale = sum(weights.values())
     shares = {kind: total * weight / scale for kind, weight in weights.items()}
     counts = {kind: int(share) for kind, share in shares.items()}

@@ -1,0 +1,79 @@
+"""Which criterion `--criterion best` picks at each m when its held-out windows are made of other text
+(--selection-text variants), on the maps of one calibration artifact (the fit does not depend on the
+held-out windows, so one calibration serves every variant). One JSON line per (variant, m): the
+windows of each kind and every criterion's layers and held-out perplexity increase.
+
+    python scripts/eval_selection_text.py --calibration ART --ms 4,8 \\
+        --variants "calibration;mix;mix" --windows 4,4,6 --out selection-text.jsonl
+
+--variants and --windows pair up (one window count per variant). The perplexity each choice costs on
+each kind's evaluation part is what `convert --calibration ART --criterion C --m M` reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calibration", required=True, help="artifact directory (calibrate -o / --save-calibration)")
+    parser.add_argument("--model", default=None, help="the artifact's model (default: the embedded SmolLM2)")
+    parser.add_argument("--ms", default="4,8")
+    parser.add_argument("--variants", default="calibration;mix", help="--selection-text values, separated by ';'")
+    parser.add_argument("--windows", default="4,4", help="held-out windows of each variant")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from nbl_gguf.calibration import calibrate
+    from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
+    from nbl_gguf.calibration.artifact import CRITERIA, load_artifact
+    from nbl_gguf.calibration.select import best_of
+    from nbl_gguf.calibration.solve import ranking
+    from nbl_gguf.calibration.stream import LayerStream, StreamedEvaluator
+    from nbl_gguf.model_source import resolve_model
+
+    artifact = load_artifact(args.calibration)
+    data = artifact.report["data"]
+    variants = args.variants.split(";")
+    windows = [int(w) for w in args.windows.split(",")]
+    if len(windows) != len(variants):
+        raise SystemExit("--windows needs one count per variant")
+    ms = [int(m) for m in args.ms.split(",")]
+    torch.manual_seed(0)
+    stream = LayerStream(resolve_model(args.model), torch.float32, "cpu")
+    prepared = calibrate.Prepared(stream.name, stream.path, stream.config, stream.tokenizer, "cpu", torch.float32,
+                                  stream.num_layers, stream.hidden_size)
+    rankings = {c: ranking(artifact.scores(c, "attn")) for c in CRITERIA}
+    with open(args.out, "a", encoding="utf-8") as out:
+        for variant, count in zip(variants, windows):
+            cargs = argparse.Namespace(seqlen=int(data["seqlen"]), selection_windows=count, selection_text=variant,
+                                       dataset=None if data["dataset"].startswith("bundled:") else data["dataset"],
+                                       dataset_config=data.get("dataset_config"), split=data.get("split") or "train",
+                                       text_field="text")
+            calib, heldout, made_of = calibrate.load_windows(cargs, prepared, True, int(data["nsamples"]))
+            if calib.nsamples != int(data["nsamples"]):
+                raise SystemExit(f"{calib.nsamples} fit windows, the artifact has {data['nsamples']}")
+            start = time.time()
+            evaluator = StreamedEvaluator(stream, heldout, METHOD_LAYER_TYPE["attn-nbl"],
+                                          lambda k, _type: artifact.linear(k, "attn"))
+            for m in ms:
+                chosen, _, compared = best_of(evaluator, rankings, m)
+                row = {"variant": variant, "windows": made_of["windows"], "m": m, "chosen": chosen,
+                       "tokens": evaluator.tokens,
+                       "compared": {c: {"layers": layers, "ppl_increase_pct": inc} for c, (layers, inc) in compared.items()},
+                       "seconds": round(time.time() - start, 1)}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                print(json.dumps(row), file=sys.stderr)
+            evaluator.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
