@@ -318,7 +318,9 @@ def describe_selection(selection: dict, num_layers: int) -> str:
     sliding = kv is not None and "sliding" in kv["stock"]["caches"]
     if "chosen" in selection:
         def saving(c):  # which layers a set holds matters to the KV cache only where some slide
-            return f" (KV {_change(kv['stock']['bytes'], kv['compared'][c])})" if sliding and c in kv.get("compared", {}) else ""
+            if not sliding or c not in kv.get("compared", {}):
+                return ""
+            return f" (KV {_change(kv['stock']['bytes'], kv['compared'][c])})"
 
         lines.append("  best on the held-out windows: " + ", ".join(
             f"{c} {len(v['layers'])} layers {v['ppl_increase_pct']:+.1f}%{saving(c)}" for c, v in heldout["compared"].items())
@@ -369,6 +371,8 @@ def load_windows(args, prepared: Prepared, needs_heldout: bool, nsamples: int):
     """(calibration windows, held-out windows or None, what the held-out windows are made of or None).
     The held-out windows follow --selection-text: the calibration text's windows after the fit
     windows, then those of each bundled kind's selection part."""
+    import torch
+
     from nbl_gguf.calibration import dataset
 
     counts = {}
@@ -404,8 +408,6 @@ def load_windows(args, prepared: Prepared, needs_heldout: bool, nsamples: int):
         prepared.tokenizer, {kind: n for kind, n in counts.items() if kind != dataset.CALIBRATION_KIND}, calib.seqlen)
     if bundled.shape[0]:
         parts.append(bundled)
-    import torch
-
     composition = {"selection_text": args.selection_text,
                    "windows": {kind: n for kind, n in counts.items() if n},
                    "calibration_text": args.dataset or dataset.DEFAULT_DATASET, "bundled": kinds}
@@ -568,11 +570,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         entries, selection, tensors, details, state = run_streamed(
             args, source, stream, calib, heldout_ids, targets, m_fixed, budget, stats_device, meter, log)
-    if heldout_text:
-        selection["heldout_text"] = {"selection_text": heldout_text["selection_text"], "windows": heldout_text["windows"]}
-    selection["kv_cache"] = kv_report(config, selection, args.ctx_size)
     written = False
     try:
+        if heldout_text:
+            selection["heldout_text"] = {key: heldout_text[key] for key in ("selection_text", "windows")}
+        selection["kv_cache"] = kv_report(config, selection, args.ctx_size)
         report = {
             "format_version": 1,
             "model": {"name": prepared.name, "path": prepared.path, "architecture": (config.architectures or ["?"])[0],
