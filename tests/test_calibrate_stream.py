@@ -128,7 +128,7 @@ def test_embedded_gguf_streamed_equals_whole_model(tmp_path):
     from nbl_gguf import models
 
     gguf = models.embedded_gguf_path()
-    streamed, whole = both_paths(tmp_path, "--model", gguf, "--nsamples", 2, "--seqlen", 128,
+    streamed, whole = both_paths(tmp_path, "--model", gguf, "--nsamples", 6, "--seqlen", 128,
                                  "--selection-windows", 8, "--m", 4, "--dtype", "fp32", "--targets", "attn")
     assert_same_calibration(streamed, whole)
     assert streamed.report["model"]["gguf"]["sha256"] == whole.report["model"]["gguf"]["sha256"]
@@ -263,13 +263,13 @@ def test_a_changed_input_starts_afresh_and_says_so(tiny_folder, tmp_path):
     env = {**os.environ, "NBL_GGUF_CACHE": str(tmp_path / "cache")}
     kill_after(calibrate_command(tiny_folder, tmp_path / "out"), env, tmp_path / "cache", 2)
     assert layers_done(tmp_path / "cache") >= 2
-    changed = subprocess.run(calibrate_command(tiny_folder, tmp_path / "out", "--seqlen", 48), env=env, cwd=REPO,
+    changed = subprocess.run(calibrate_command(tiny_folder, tmp_path / "out", "--nsamples", 20), env=env, cwd=REPO,
                              capture_output=True, text=True)
     assert changed.returncode == 0, changed.stderr
     assert "was made with other inputs (tokens changed): starting afresh" in changed.stderr
     assert "resuming" not in changed.stderr
     fresh_env = {**os.environ, "NBL_GGUF_CACHE": str(tmp_path / "fresh-cache")}
-    subprocess.run(calibrate_command(tiny_folder, tmp_path / "fresh", "--seqlen", 48), env=fresh_env, cwd=REPO,
+    subprocess.run(calibrate_command(tiny_folder, tmp_path / "fresh", "--nsamples", 20), env=fresh_env, cwd=REPO,
                    check=True, capture_output=True)
     assert (tmp_path / "out" / "nbl.safetensors").read_bytes() == (tmp_path / "fresh" / "nbl.safetensors").read_bytes()
 
