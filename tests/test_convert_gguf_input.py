@@ -35,7 +35,8 @@ M = 4
 CRITERION = "cosine"
 WINDOW = 256
 WINDOWS = 4
-NBL_KEYS = {nbl_format.METHOD_KEY, nbl_format.CRITERION_KEY, nbl_format.SCORES_KEY, nbl_format.CALIBRATION_KEY}
+NBL_KEYS = {nbl_format.METHOD_KEY, nbl_format.CRITERION_KEY, nbl_format.SCORES_KEY, nbl_format.SCORES_CRITERION_KEY,
+            nbl_format.CALIBRATION_KEY}
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -283,6 +283,17 @@ def chosen_layers(artifact, args, method: str, n_layer: int) -> list[int]:
     return sorted(artifact.select(m, args.criterion, method))
 
 
+def recorded_scores(artifact, criterion: str) -> tuple[list[float] | None, str | None]:
+    """(nbl.scores, the local criterion they are under): a local criterion's own; with best, those of the
+    criterion it chose (best keeps that criterion's ranking); greedy has none (no per-layer score: its
+    reasons are the held-out losses in the provenance)."""
+    if criterion == "best":
+        criterion = artifact.report["selection"].get("chosen")
+    if criterion not in CRITERIA:
+        return None, None
+    return [float(s) for s in artifact.scores(criterion, "attn")], criterion
+
+
 def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args) -> dict:
     """llama-perplexity of the stock and the NBL file on the first chunks of the bundled held-out text
     (documents never used for calibration)."""
@@ -479,12 +490,12 @@ def convert(args) -> Summary:
         if artifact_hidden is not None and int(artifact_hidden) != hidden:
             raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
         selected = chosen_layers(artifact, args, method, n_layer)
-        # greedy has no per-layer score: its reasons are the held-out losses in the provenance
-        scores = [float(s) for s in artifact.scores(args.criterion, "attn")] if args.criterion in CRITERIA else None
+        scores, scores_criterion = recorded_scores(artifact, args.criterion)
         layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
         types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
         linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
         layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion, scores=scores,
+                                      scores_criterion=scores_criterion,
                                       calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
         progress.update()
 
@@ -541,7 +552,8 @@ def convert(args) -> Summary:
         kv_stock, kv_nbl = kv_bytes_per_token(stock_reader, types)
         return Summary(heldout=heldout, notes=notes,
             model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=method,
-            criterion=args.criterion, n_layer=n_layer, replaced=selected, scores=scores,
+            criterion=args.criterion, n_layer=n_layer, replaced=selected,
+            scores=scores if scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
             kv_stock=kv_stock, kv_nbl=kv_nbl, output=output, runtime=args.runtime,
         )
