@@ -35,6 +35,7 @@ RUNTIMES = {
 }
 FLOAT_OUTPUTS = ("F32", "F16", "BF16")
 DEFAULT_QUANT = "q4_k_m"
+DEFAULT_INTERMEDIATE = "f32"
 # the summary's held-out perplexity: a small slice, so that it costs seconds on a small model
 EVAL_CTX = 512
 EVAL_CHUNKS = 8
@@ -70,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--imatrix", action="store_true",
                         help="quantize with an importance matrix (llama-imatrix over the calibration text)")
     parser.add_argument("--imatrix-chunks", type=int, default=64, help="imatrix chunks of 512 tokens (default: 64)")
-    parser.add_argument("--intermediate", default="f32", choices=["f32", "f16"],
-                        help="type of the stock conversion that is rewritten and quantized (default: f32)")
+    parser.add_argument("--intermediate", default=None, choices=["f32", "f16"],
+                        help="HF --model only: type of the stock conversion that is rewritten and quantized "
+                             f"(default: {DEFAULT_INTERMEDIATE})")
     parser.add_argument("--threads", type=int, default=None, help="threads for llama-quantize / llama-imatrix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -111,6 +113,9 @@ def resolve_source(args, method: str):
     if args.imatrix:
         raise NblError("--imatrix means nothing for a GGUF --model: nothing is quantized again (the file's own "
                        "tensors, imatrix-quantized or not, are kept as they are)")
+    if args.intermediate is not None:
+        raise NblError(f"--intermediate {args.intermediate} means nothing for a GGUF --model: no stock conversion is "
+                       f"made (the NBL file is {Path(args.model).name} itself with the replaced attention swapped)")
     source = resolve_model(args.model, runnable=nbl_format.SUPPORTED_ARCHITECTURES, calibrating=not args.calibration)
     if args.nbl_type is not None and method == "attn-nbl":
         nbl_format.parse_weight_type(args.nbl_type, source.gguf.n_embd)
@@ -512,7 +517,7 @@ def convert(args) -> Summary:
             # 2. stock conversion
             step(steps[1])
             model_dir = source.hf_folder()
-            intermediate = quant.lower() if quant in FLOAT_OUTPUTS else args.intermediate
+            intermediate = quant.lower() if quant in FLOAT_OUTPUTS else args.intermediate or DEFAULT_INTERMEDIATE
             stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
             progress.update()
 
