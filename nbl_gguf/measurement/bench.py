@@ -312,7 +312,7 @@ def nbl_by_convert(args, model: str, directory: Path, suffix: str, extra: list[s
             convert.add_arguments(parser)
             summary = convert.convert(parser.parse_args(argv))
             log(summary.table())
-    return [Candidate(f"nbl-m{m}", paths[m]) for m in args.m], [commands[m] for m in sorted(commands, reverse=True)]
+    return [Candidate(f"nbl-m{m}", paths[m]) for m in args.m], list(commands.values())
 
 
 def _stable_hash(text: str) -> int:
