@@ -156,6 +156,11 @@ CASES = {
                                         (r"argument --criterion: invalid choice: 'vibes'",)),
     "bench-bad-depths": Case(("bench", "--shape", "llama-3.2-1b", "--depths", "0,x"),
                              (r"argument -d/--depths: expected comma-separated integers, got '0,x'",)),
+    # options that mean nothing for a GGUF --model, given explicitly
+    "convert-gguf-intermediate": Case(("convert", "--model", "{gguf}", "--intermediate", "f32", "-o", "out.gguf"),
+                                      (r"--intermediate f32 means nothing for a GGUF --model",)),
+    "bench-gguf-quant": Case(("bench", "--model", "{gguf}", "--quant", "q4_k_m"),
+                             (r"--quant q4_k_m means nothing for a GGUF --model: the stock side is tiny\.gguf",)),
     # m out of range
     "convert-m-too-large": Case(("convert", "--model", "{model}", "--m", "9", *TINY_CONVERT, "-o", "out.gguf"),
                                 (r"--m 9 is out of range: tiny-llama has 4 layers",)),

@@ -231,6 +231,31 @@ def test_convert_records_the_default_criterion_and_the_auto_choice(tiny_hf, tmp_
     assert [i for i, t in enumerate(nbl_format.read_layer_types(reader)) if t] == [int(np.argmin(artifact.scores(best)))]
     provenance = json.loads(reader.fields[nbl_format.CALIBRATION_KEY].contents())
     assert provenance["selection"]["heldout"]["compared"][best]["layers"] == artifact.select()
+    # the scores recorded are those of the criterion best chose, and the file says which
+    assert reader.fields[nbl_format.SCORES_CRITERION_KEY].contents() == best
+    np.testing.assert_allclose(list(reader.fields[nbl_format.SCORES_KEY].contents()), artifact.scores(best), rtol=1e-6)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"scores:        {best} (the criterion that best chose)" in text
+    for layer, score in enumerate(artifact.scores(best)):
+        assert f"\n{layer:5d}  {'linear' if layer in artifact.select() else 'attention':<9s}  {score:<8.4f}  " in text
+    heldout = artifact.report["selection"]["heldout"]
+    for criterion, compared in heldout["compared"].items():
+        layers = ", ".join(map(str, compared["layers"]))
+        assert f"{criterion:<6s}  {compared['ppl_increase_pct']:+7.1f}%  layers {layers}" in text
+    assert f"layers {', '.join(map(str, artifact.select()))}  <- chosen" in text
+    assert f"held-out perplexity on {heldout['heldout_tokens']:,} tokens (unmodified {heldout['base_ppl']:.3f})" in text
+    versions = provenance["versions"]
+    assert f"torch {versions['torch']}" in text and f"llama.cpp {versions['llama.cpp'][:7]} + patches" in text
+    assert f"{provenance['tokens']:,} tokens: 8 windows of 64 from {provenance['documents']} documents" in text
+    assert "{" not in text  # no raw JSON left
+    # --json: the whole record, the calibration key as the file holds it
+    assert cli.main(["inspect", "--json", str(out)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["calibration"] == provenance and info["scores_criterion"] == best
+    assert [layer["score"] for layer in info["layers"]] == pytest.approx(list(artifact.scores(best)), rel=1e-6)
+    assert [t["name"] for t in info["tensors"]] == [t.name for t in reader.tensors]
 
     out = tmp_path / "auto.gguf"
     assert cli.main(["convert", *common, "--m", "auto", "--max-ppl-increase", "1e9", "--selection-windows", "20",
@@ -331,6 +356,19 @@ def test_convert_rejects_calibration_of_another_model(tiny_hf, tiny_artifact, tm
 
 # --- inspect -------------------------------------------------------------------------------------
 
+def test_recorded_scores_follow_the_selection(tiny_artifact):
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf.convert import recorded_scores
+
+    artifact = load_artifact(tiny_artifact)
+    for criterion in ("cca", "nmse", "cosine"):
+        scores, under = recorded_scores(artifact, criterion)
+        assert under == criterion and scores == pytest.approx(list(artifact.scores(criterion)))
+    assert recorded_scores(artifact, "greedy") == (None, None)  # no per-layer score
+    artifact.report["selection"]["chosen"] = "nmse"  # what a best calibration records
+    assert recorded_scores(artifact, "best") == (pytest.approx(list(artifact.scores("nmse"))), "nmse")
+
+
 def test_inspect_stock_and_nbl_tiny_gguf(tmp_path, capsys):
     from nbl_gguf.gguf.inspect import describe
     from nbl_gguf.fixtures.tiny import TinyLlama
@@ -364,7 +402,24 @@ def test_inspect_stock_and_nbl_tiny_gguf(tmp_path, capsys):
     assert "0 linear 0.1000 freed 512.00 KiB attn_nbl:F32 attn_nbl.bias:F32 (+5 F32)" in rows
     assert "1 attention 0.5000 512.00 KiB attn_k:F32 attn_output:F32 attn_q:F32 attn_v:F32 (+5 F32)" in rows
     assert "2 dropped 0.2000 freed 512.00 KiB - (+5 F32)" in rows
-    assert '"seed": 7' in text and "blk.0.attn_nbl.weight" in text
+    assert "calibration:   model      tiny\n" in text and "               seed       7\n" in text
+    assert "scores:        cca (the criterion that chose the layers)" in text and "blk.0.attn_nbl.weight" in text
+    assert cli.main(["inspect", str(stock)]) == 0
+    assert "score" not in capsys.readouterr().out  # a stock file has no score column
+
+    # greedy records no per-layer score, and says so instead of an empty column
+    greedy = tmp_path / "greedy.gguf"
+    nbl_format.write_nbl_gguf(stock, greedy, nbl_format.NblLayers(
+        types=[1, 0, 0], linear=model.random_linear([0]), method="attn-nbl", criterion="greedy",
+        calibration={"selection": {"method": "attn-nbl", "criterion": "greedy", "m": 1, "heldout": {
+            "heldout_tokens": 4096, "base_ppl": 12.5, "order": [0], "ppl_increase_pct": [3.5], "stopped": ""}}}))
+    assert cli.main(["inspect", str(greedy)]) == 0
+    text = capsys.readouterr().out
+    assert "scores:        none per layer: greedy chose the layers by the held-out perplexity" in text
+    assert "attn-nbl by greedy, m = 1: held-out perplexity on 4,096 tokens (unmodified 12.500)" in text
+    assert "+layer 0 +3.5%" in text
+    assert "0 linear freed 512.00 KiB attn_nbl:F32 attn_nbl.bias:F32 (+5 F32)" in [" ".join(line.split())
+                                                                                for line in text.splitlines()]
 
 
 def test_inspect_errors(tmp_path, capsys):

@@ -35,7 +35,8 @@ M = 4
 CRITERION = "cosine"
 WINDOW = 256
 WINDOWS = 4
-NBL_KEYS = {nbl_format.METHOD_KEY, nbl_format.CRITERION_KEY, nbl_format.SCORES_KEY, nbl_format.CALIBRATION_KEY}
+NBL_KEYS = {nbl_format.METHOD_KEY, nbl_format.CRITERION_KEY, nbl_format.SCORES_KEY, nbl_format.SCORES_CRITERION_KEY,
+            nbl_format.CALIBRATION_KEY}
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -410,12 +411,17 @@ def test_options_that_mean_nothing_for_a_gguf(embedded_gguf, tmp_path, capsys):
         convert(convert_args(model=str(embedded_gguf), quant="q8_0", output=str(output)))
     with pytest.raises(NblError, match="--imatrix means nothing for a GGUF --model"):
         convert(convert_args(model=str(embedded_gguf), imatrix=True, output=str(output)))
+    with pytest.raises(NblError, match="--intermediate f16 means nothing for a GGUF --model: no stock conversion"):
+        convert(convert_args(model=str(embedded_gguf), intermediate="f16", output=str(output)))
     with pytest.raises(NblError, match="--nbl-type goes with a GGUF --model"):
         convert(convert_args(nbl_type="q8_0", output=str(output)))
     with pytest.raises(NblError, match="-o .* is the --model file itself"):
         convert(convert_args(model=str(embedded_gguf), output=str(embedded_gguf)))
     assert cli.main(["convert", "--model", str(embedded_gguf), "--quant", "q4_k_m", "-o", str(output)]) == 2
     assert "means nothing for a GGUF --model" in capsys.readouterr().err
+    # asked for explicitly, even as the HF default: refused; left out (every other GGUF conversion here): no error
+    assert cli.main(["convert", "--model", str(embedded_gguf), "--intermediate", "f32", "-o", str(output)]) == 2
+    assert "--intermediate f32 means nothing for a GGUF --model" in capsys.readouterr().err
     assert listing(output.parent) == set()
 
 

@@ -38,6 +38,7 @@ RUNTIMES = {
 }
 FLOAT_OUTPUTS = ("F32", "F16", "BF16")
 DEFAULT_QUANT = "q4_k_m"
+DEFAULT_INTERMEDIATE = "f32"
 # the summary's held-out perplexity: a small slice, so that it costs seconds on a small model
 EVAL_CTX = 512
 EVAL_CHUNKS = 8
@@ -74,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--imatrix", action="store_true",
                         help="quantize with an importance matrix (llama-imatrix over the calibration text)")
     parser.add_argument("--imatrix-chunks", type=int, default=64, help="imatrix chunks of 512 tokens (default: 64)")
-    parser.add_argument("--intermediate", default="f32", choices=["f32", "f16"],
-                        help="type of the stock conversion that is rewritten and quantized (default: f32)")
+    parser.add_argument("--intermediate", default=None, choices=["f32", "f16"],
+                        help="HF --model only: type of the stock conversion that is rewritten and quantized "
+                             f"(default: {DEFAULT_INTERMEDIATE})")
     parser.add_argument("--threads", type=int, default=None, help="threads for llama-quantize / llama-imatrix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -115,6 +117,9 @@ def resolve_source(args, method: str):
     if args.imatrix:
         raise NblError("--imatrix means nothing for a GGUF --model: nothing is quantized again (the file's own "
                        "tensors, imatrix-quantized or not, are kept as they are)")
+    if args.intermediate is not None:
+        raise NblError(f"--intermediate {args.intermediate} means nothing for a GGUF --model: no stock conversion is "
+                       f"made (the NBL file is {Path(args.model).name} itself with the replaced attention swapped)")
     source = resolve_model(args.model, runnable=nbl_format.SUPPORTED_ARCHITECTURES, calibrating=not args.calibration)
     if args.nbl_type is not None and method == "attn-nbl":
         nbl_format.parse_weight_type(args.nbl_type, source.gguf.n_embd)
@@ -289,6 +294,17 @@ def chosen_layers(artifact, args, method: str, n_layer: int) -> list[int]:
         return sorted(artifact.select(None, args.criterion, method))
     m = default_m(n_layer) if args.m is None else args.m
     return sorted(artifact.select(m, args.criterion, method))
+
+
+def recorded_scores(artifact, criterion: str) -> tuple[list[float] | None, str | None]:
+    """(nbl.scores, the local criterion they are under): a local criterion's own; with best, those of the
+    criterion it chose (best keeps that criterion's ranking); greedy has none (no per-layer score: its
+    reasons are the held-out losses in the provenance)."""
+    if criterion == "best":
+        criterion = artifact.report["selection"].get("chosen")
+    if criterion not in CRITERIA:
+        return None, None
+    return [float(s) for s in artifact.scores(criterion, "attn")], criterion
 
 
 def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args) -> dict:
@@ -499,13 +515,12 @@ def convert(args) -> Summary:
             if artifact_hidden is not None and int(artifact_hidden) != hidden:
                 raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
             selected = chosen_layers(artifact, args, method, n_layer)
-            # greedy has no per-layer score: its reasons are the held-out losses in the provenance
-            scores = [float(s) for s in artifact.scores(args.criterion, "attn")] if args.criterion in CRITERIA else None
+            scores, scores_criterion = recorded_scores(artifact, args.criterion)
             layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
             types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
             linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
             layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion,
-                                          scores=scores,
+                                          scores=scores, scores_criterion=scores_criterion,
                                           calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
         if not args.calibration:
             # the calibration's own stages, measured inside it (layers, selection, ...)
@@ -522,7 +537,7 @@ def convert(args) -> Summary:
         else:
             # 2. stock conversion
             model_dir = source.hf_folder()
-            intermediate = quant.lower() if quant in FLOAT_OUTPUTS else args.intermediate
+            intermediate = quant.lower() if quant in FLOAT_OUTPUTS else args.intermediate or DEFAULT_INTERMEDIATE
             with stage(steps[1]):
                 stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
 
@@ -560,7 +575,8 @@ def convert(args) -> Summary:
         kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types) for n_ctx in contexts}
         return Summary(heldout=heldout, notes=notes,
             model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=method,
-            criterion=args.criterion, n_layer=n_layer, replaced=selected, scores=scores,
+            criterion=args.criterion, n_layer=n_layer, replaced=selected,
+            scores=scores if scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
             kv=kv, output=output, runtime=args.runtime, resources=meter.stages,
         )

@@ -10,7 +10,9 @@ and measured / predicted.
 
 Inputs: explicit files (``--baseline stock.gguf --nbl a.gguf b.gguf``), the embedded model or a HF
 folder (``--model embedded --m 8,12 --quant q4_k_m``; converted with ``convert``, reusing one
-calibration), or a synthetic model of a real shape (``--shape llama-3.2-1b --m 6``).
+calibration), a GGUF file (``--model model.Q4_K_M.gguf --m 4``: the file itself is the stock side, the
+NBL files are ``convert --model model.Q4_K_M.gguf``'s surgery on it), or a synthetic model of a real
+shape (``--shape llama-3.2-1b --m 6``).
 Outputs under ``--output-dir``: results.json, measurements.csv, speedups.csv, kv_cache.csv,
 speedup-<backend>.png (speed-up against context, like figure 3 of the paper) and report.md.
 
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
+from nbl_gguf.model_source import is_gguf_file
 from nbl_gguf.outputs import check_output_dir
 from nbl_gguf.measurement.bench_report import format_table, hf_markdown, machine_description, write_outputs
 from nbl_gguf.measurement.llama_bench import resolve_backends, run_llama_bench, schedule
@@ -63,12 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--nbl", nargs="+", default=None, metavar="GGUF", help="NBL GGUFs of the same model and quant")
     source.add_argument("--model", default=None,
                         help="'embedded' (SmolLM2-135M-Instruct) or a HF folder: stock and NBL GGUFs are made "
-                             "with convert")
+                             "with convert; or a GGUF file: it is the stock file, the NBL files are convert's "
+                             "surgery on it (its tensors and types kept)")
     source.add_argument("--shape", default=None,
                         help="synthetic random-weight model of a real shape: llama-3.1-8b, llama-3.2-1b, smollm2-135m")
     source.add_argument("--m", type=_int_list, default=None,
                         help="NBL layer counts for --model/--shape, comma-separated (default: 12; --quick: 8,12)")
-    source.add_argument("--quant", default=None, help="quantization for --model/--shape (default: q4_k_m)")
+    source.add_argument("--quant", default=None,
+                        help="quantization for a HF --model or --shape (default: q4_k_m); a GGUF --model keeps its own")
     source.add_argument("--calibration", default=None, metavar="ARTIFACT",
                         help="calibration artifact to reuse for --model (default: made once and cached)")
     source.add_argument("--calib-nsamples", type=int, default=None,
@@ -140,6 +145,10 @@ def apply_presets(args) -> None:
         for key in ("m", "depths", "n_prompt", "n_gen", "rounds", "repetitions", "calib_nsamples", "calib_seqlen"):
             if getattr(args, key) is None:
                 setattr(args, key, QUICK[key])
+    if args.quant is not None and is_gguf_file(args.model):
+        raise NblError(f"--quant {args.quant} means nothing for a GGUF --model: the stock side is "
+                       f"{Path(args.model).name} as it is and its NBL files keep its tensors and types; quantize the "
+                       f"file first (llama-quantize) to measure another type")
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -246,15 +255,46 @@ def embedded_models(args, log) -> ModelSet:
             intermediate.unlink(missing_ok=True)
     commands.append(f"convert_hf_to_gguf.py {model_dir} --outtype f32 && llama-quantize ... {quant}  -> {stock}")
 
+    nbl, converts = nbl_by_convert(args, str(model_dir), directory, f"-{quant.lower()}", ["--quant", quant], log)
+    return ModelSet(model_dir.name, quant, Candidate("stock", stock), nbl,
+                    hf={"kind": "folder", "path": str(model_dir)}, commands=commands + converts)
+
+
+def gguf_models(args, log) -> ModelSet:
+    """The user's GGUF as the stock side, and NBL-m files made from it by `convert --model FILE.gguf`
+    (one calibration on the model transformers dequantizes from it; surgery on the file itself)."""
+    from nbl_gguf.gguf.nbl_format import SUPPORTED_ARCHITECTURES
+    from nbl_gguf.model_source import resolve_model
+
+    source = resolve_model(args.model, runnable=SUPPORTED_ARCHITECTURES, calibrating=not args.calibration)
+    model = source.gguf
+    for m in args.m:
+        if not 0 < m < model.n_layer:
+            raise NblError(f"--m {m} is out of range: {model.path.name} has {model.n_layer} layers")
+    # keyed by content: another file of the same name must not reuse these NBL files
+    directory = work_dir(args) / "models" / "gguf" / model.sha256[:16] / model.path.stem
+    directory.mkdir(parents=True, exist_ok=True)
+    nbl, commands = nbl_by_convert(args, str(model.path), directory, "", [], log)
+    hf = {"kind": "folder", "path": str(source.hf_folder())} if args.hf_compare else {}
+    return ModelSet(model.path.stem, model.file_type, Candidate("stock", model.path), nbl, hf=hf,
+                    commands=[f"{model.path} as given (the stock side)"] + commands)
+
+
+def nbl_by_convert(args, model: str, directory: Path, suffix: str, extra: list[str], log) -> tuple[list, list[str]]:
+    """(an NBL-m Candidate per --m, the convert commands): `convert --model MODEL` per m into ``directory``
+    (kept and reused), the first making the one calibration that the others reuse."""
+    from nbl_gguf.gguf import convert
+
     calibration = Path(args.calibration) if args.calibration else directory / "calibration"
     if args.calibration and not calibration.is_dir():
         raise NblError(f"--calibration {calibration}: no such artifact directory")
     tag = "" if not args.calibration else f"-cal{abs(_stable_hash(str(calibration.resolve()))) % 100000:05d}"
-    nbl = []
-    for m in args.m:
-        path = directory / f"nbl-m{m}{tag}-{quant.lower()}.gguf"
-        argv = ["--model", str(model_dir), "--m", str(m), "--quant", quant, "-o", str(path), "--no-progress",
-                "--seed", str(args.seed)]
+    paths = {m: directory / f"nbl-m{m}{tag}{suffix}.gguf" for m in args.m}
+    commands = {}
+    # the largest m first: the calibration's measured selection (best, the default) goes to the m it was
+    # made for, and a smaller m is a prefix of it
+    for m in sorted(set(args.m), reverse=True):
+        argv = ["--model", model, "--m", str(m), *extra, "-o", str(paths[m]), "--no-progress", "--seed", str(args.seed)]
         if calibration.is_dir():
             argv += ["--calibration", str(calibration)]
         else:
@@ -265,16 +305,14 @@ def embedded_models(args, log) -> ModelSet:
                 argv += ["--seqlen", str(args.calib_seqlen)]
         if args.threads:
             argv += ["--threads", str(args.threads)]
-        commands.append("python -m nbl_gguf convert " + " ".join(argv))
-        if not path.is_file():
-            log(f"{model_dir.name}: python -m nbl_gguf convert {' '.join(argv)}")
+        commands[m] = "python -m nbl_gguf convert " + " ".join(argv)
+        if not paths[m].is_file():
+            log(f"{Path(model).name}: {commands[m]}")
             parser = argparse.ArgumentParser()
             convert.add_arguments(parser)
             summary = convert.convert(parser.parse_args(argv))
             log(summary.table())
-        nbl.append(Candidate(f"nbl-m{m}", path))
-    return ModelSet(model_dir.name, quant, Candidate("stock", stock), nbl,
-                    hf={"kind": "folder", "path": str(model_dir)}, commands=commands)
+    return [Candidate(f"nbl-m{m}", paths[m]) for m in args.m], list(commands.values())
 
 
 def _stable_hash(text: str) -> int:
@@ -288,6 +326,8 @@ def resolve_models(args, log=print) -> ModelSet:
         models = explicit_models(args)
     elif args.shape is not None:
         models = shape_models(args, log)
+    elif is_gguf_file(args.model):
+        models = gguf_models(args, log)
     else:
         models = embedded_models(args, log)
     for candidate in models.all():
