@@ -461,3 +461,22 @@ def test_inspect_does_not_import_torch(tmp_path):
     root = Path(__file__).resolve().parent.parent
     completed = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=root)
     assert completed.returncode == 0, completed.stderr
+
+
+def test_the_stock_conversion_keeps_a_16_bit_checkpoint_in_16_bits(tmp_path):
+    """--intermediate defaults to the checkpoint's own float type (lossless, half the bytes of f32)."""
+    import torch
+
+    from _calibrate_helpers import tiny_model
+    from nbl_gguf.gguf.convert import default_intermediate
+
+    model = tiny_model(layers=1)
+    for dtype, expected in ((torch.float16, "f16"), (torch.bfloat16, "bf16"), (torch.float32, "f32")):
+        model.to(dtype).save_pretrained(tmp_path / expected)
+        assert default_intermediate(tmp_path / expected) == expected
+    mixed = tmp_path / "mixed"  # one tensor in another type: f32 loses nothing of either
+    model.to(torch.float16).save_pretrained(mixed)
+    from safetensors.torch import save_file
+
+    save_file({"extra": torch.zeros(2, dtype=torch.float32)}, str(mixed / "extra.safetensors"))
+    assert default_intermediate(mixed) == "f32"

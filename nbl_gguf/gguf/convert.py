@@ -38,7 +38,9 @@ RUNTIMES = {
 }
 FLOAT_OUTPUTS = ("F32", "F16", "BF16")
 DEFAULT_QUANT = "q4_k_m"
-DEFAULT_INTERMEDIATE = "f32"
+# --intermediate by default: the checkpoint's own float type when every weight has it (a 16-bit model
+# converts losslessly at half the bytes of f32: 16 GB instead of 32 for an 8B model, twice over), else f32
+INTERMEDIATE_OF = {"F16": "f16", "BF16": "bf16"}
 # the summary's held-out perplexity: a small slice, so that it costs seconds on a small model
 EVAL_CTX = 512
 EVAL_CHUNKS = 8
@@ -75,9 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--imatrix", action="store_true",
                         help="quantize with an importance matrix (llama-imatrix over the calibration text)")
     parser.add_argument("--imatrix-chunks", type=int, default=64, help="imatrix chunks of 512 tokens (default: 64)")
-    parser.add_argument("--intermediate", default=None, choices=["f32", "f16"],
+    parser.add_argument("--intermediate", default=None, choices=["f32", "f16", "bf16"],
                         help="HF --model only: type of the stock conversion that is rewritten and quantized "
-                             f"(default: {DEFAULT_INTERMEDIATE})")
+                             "(default: the checkpoint's own type when all its weights are f16 or bf16, else f32)")
     parser.add_argument("--threads", type=int, default=None, help="threads for llama-quantize / llama-imatrix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -146,6 +148,14 @@ def model_shape(model_dir: Path) -> tuple[int, int]:
         return int(config["num_hidden_layers"]), int(config["hidden_size"])
     except KeyError as error:
         raise NblError(f"{config_path} has no {error.args[0]}") from error
+
+
+def default_intermediate(model_dir: Path) -> str:
+    """f16 or bf16 when every float tensor of the checkpoint is stored so, else f32."""
+    from nbl_gguf.calibration.weights import safetensors_dtypes
+
+    stored = {dtype for dtype in safetensors_dtypes(model_dir) if dtype.startswith(("F", "BF"))}
+    return INTERMEDIATE_OF.get(stored.pop(), "f32") if len(stored) == 1 else "f32"
 
 
 def check_method(method: str) -> str:
@@ -537,7 +547,7 @@ def convert(args) -> Summary:
         else:
             # 2. stock conversion
             model_dir = source.hf_folder()
-            intermediate = quant.lower() if quant in FLOAT_OUTPUTS else args.intermediate or DEFAULT_INTERMEDIATE
+            intermediate = quant.lower() if quant in FLOAT_OUTPUTS else args.intermediate or default_intermediate(model_dir)
             with stage(steps[1]):
                 stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
 
