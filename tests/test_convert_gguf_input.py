@@ -105,11 +105,17 @@ def file_linear(path: Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     return out
 
 
+# a position counts for top-1 agreement when PyTorch's top token leads the runner-up by this many nats:
+# near-ties flip under any rounding (llama.cpp quantizes activations for its dot products), and a
+# model with replaced layers has more of them; the RMS term below bounds the error everywhere
+DECIDED = 1.0
+
+
 @dataclass
 class Deviation:
     """How far llama.cpp's logits of a file are from PyTorch's on the same windows."""
 
-    top1: float  # share of positions with the same argmax
+    top1: float  # share of the decided positions (see DECIDED) with the same argmax
     rel_rms: float  # RMS of the logit difference over the RMS of PyTorch's centred logits
     ppl_rel: float  # relative perplexity difference
 
@@ -143,14 +149,17 @@ def deviation(model, path: Path, windows: list[list[int]]) -> Deviation:
         with torch.no_grad():
             ref = model(torch.tensor([tokens])).logits[0].double().numpy()
         got = library.logits(llm, tokens)
-        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-        total += len(tokens)
+        top_two = np.sort(ref, axis=-1)[:, -2:]
+        decided = top_two[:, 1] - top_two[:, 0] > DECIDED
+        agree += int((ref.argmax(-1) == got.argmax(-1))[decided].sum())
+        total += int(decided.sum())
         squares += float(((ref - got) ** 2).sum())
         references += float(((ref - ref.mean(-1, keepdims=True)) ** 2).sum())
         nll_torch.append(_nll(ref, tokens))
         nll_gguf.append(_nll(got, tokens))
     ppl_torch = float(np.exp(np.concatenate(nll_torch).mean()))
     ppl_gguf = float(np.exp(np.concatenate(nll_gguf).mean()))
+    assert total >= 0.25 * sum(map(len, windows)), f"only {total} decided positions"
     return Deviation(agree / total, (squares / references) ** 0.5, abs(ppl_gguf - ppl_torch) / ppl_torch)
 
 
