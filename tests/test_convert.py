@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _convert_helpers import convert_args, save_tiny_llama
+from _convert_helpers import calibrate_for_convert, convert_args, save_tiny_llama
 from nbl_gguf import cli
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
@@ -35,10 +35,9 @@ def tiny_hf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_artifact(tiny_hf, tmp_path_factory) -> Path:
-    from nbl_gguf.gguf.convert import calibrate_into
 
     out = tmp_path_factory.mktemp("calib") / "artifact"
-    return calibrate_into(out, tiny_hf, convert_args(model=str(tiny_hf), m=2))
+    return calibrate_for_convert(out, tiny_hf, convert_args(model=str(tiny_hf), m=2))
 
 
 def listing(directory: Path) -> set[str]:
@@ -135,7 +134,7 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
     """Calibrate + convert + rewrite + imatrix + q4_k_m, twice: byte-identical, no leftovers."""
     import gguf
 
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     outputs = []
     for run in ("a", "b"):
@@ -279,7 +278,7 @@ def test_convert_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkey
     """A failure (here: an interrupt while the NBL tensors are written) leaves no GGUF and no temp files."""
     import gguf
 
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     calls = {"n": 0}
     original = gguf.GGUFWriter.write_tensor_data
@@ -303,7 +302,7 @@ def test_convert_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkey
 @needs_converter
 def test_convert_quantize_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkeypatch):
     from nbl_gguf.gguf import quantize as quantize_module
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     real = quantize_module.run_tool
     calls = []
@@ -341,7 +340,7 @@ def test_convert_bad_inputs(tiny_hf, tmp_path, capsys):
 
 @needs_converter
 def test_convert_rejects_calibration_of_another_model(tiny_hf, tiny_artifact, tmp_path):
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     other = tmp_path / "other"
     shutil.copytree(tiny_hf, other)
@@ -358,7 +357,7 @@ def test_convert_rejects_calibration_of_another_model(tiny_hf, tiny_artifact, tm
 
 def test_recorded_scores_follow_the_selection(tiny_artifact):
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.gguf.convert import recorded_scores
+    from nbl_gguf.gguf.from_artifact import recorded_scores
 
     artifact = load_artifact(tiny_artifact)
     for criterion in ("cca", "nmse", "cosine"):

@@ -7,6 +7,7 @@ Python, checks its result and turns failures into an :class:`NblError`.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -91,3 +92,25 @@ def _check_gguf(path: Path, model_dir: Path) -> None:
 def _tail(text: str, lines: int = 20) -> str:
     kept = [line for line in text.strip().splitlines() if line.strip()]
     return "\n".join(kept[-lines:])
+
+
+def model_shape(model_dir: Path) -> tuple[int, int]:
+    """(layers, hidden size) from config.json, after checking that the architecture is one we can
+    calibrate and llama.cpp can run with NBL layers, so bad inputs fail before any heavy work."""
+    from nbl_gguf.models import get_adapter
+
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise NblError(f"{model_dir} is not a HF model folder: it has no config.json")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise NblError(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise NblError(f"{config_path} is not a JSON object")
+    get_adapter(config)
+    config = config.get("text_config", config)
+    try:
+        return int(config["num_hidden_layers"]), int(config["hidden_size"])
+    except KeyError as error:
+        raise NblError(f"{config_path} has no {error.args[0]}") from error
