@@ -236,7 +236,6 @@ def load_model(name_or_path: str | None = None, dtype: str | None = "auto", devi
                name: str | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local folder or a hub id (None = embedded model);
     ``name`` names it in reports (default: the folder's name)."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path in (None, "", "default", "embedded"):

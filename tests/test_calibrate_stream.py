@@ -386,3 +386,33 @@ def test_streamed_perplexities_equal_the_whole_model_for_every_layer_type(tiny_f
         assert streamed[name].ppl == pytest.approx(want.ppl, rel=1e-6), name
         assert streamed[name].error == pytest.approx(want.error, rel=1e-5) and streamed[name].chunks == 6
     assert len({round(p.ppl, 6) for p in streamed.values()}) == len(variants)  # every variant differs
+
+
+def test_states_are_locked_per_key_and_stale_ones_are_removed(tmp_path, capsys):
+    from nbl_gguf.calibration.resume import CalibrationState
+
+    model = {"gguf_sha256": "ab" * 32}
+    messages = []
+    first = CalibrationState.for_model(model, {"tokens": "t1"}, log=messages.append)
+    assert first.open() == 0
+    first.save_layer(0, {"index": 0}, {"attn.0.weight": np.ones((2, 2), np.float32)})
+    first.finish_layer(0)
+    # the same key while it runs: refused; other inputs while it runs: side by side, nothing removed
+    with pytest.raises(NblError, match="the same calibration is running already"):
+        CalibrationState.for_model(model, {"tokens": "t1"}).open()
+    other = CalibrationState.for_model(model, {"tokens": "t2"}, log=messages.append)
+    assert other.open() == 0 and first.folder.is_dir() and not messages
+    other.close(finished=False)
+    first.close(finished=False)
+    # the interrupted first run, resumed; then a run with other inputs removes both stale states
+    again = CalibrationState.for_model(model, {"tokens": "t1"}, log=messages.append)
+    assert again.open() == 1 and messages == [f"calibration: resuming after layer 0 (state {first.folder})"]
+    again.close(finished=False)
+    third = CalibrationState.for_model(model, {"tokens": "t3"}, log=messages.append)
+    assert third.open() == 0
+    assert sorted(m.split(" was made")[0] for m in messages[1:]) == sorted(
+        f"calibration: the saved state in {f}" for f in (first.folder, other.folder))
+    assert all("(tokens changed): starting afresh" in m for m in messages[1:])
+    assert not first.folder.exists() and not other.folder.exists()
+    third.close(finished=True)
+    assert not third.folder.exists()

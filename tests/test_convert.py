@@ -156,6 +156,22 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
     table = summary.table()
     assert "KV cache at 4,096 tokens (F16) 2.00 MiB 1.00 MiB -50.0%" in [" ".join(row.split()) for row in table.splitlines()]
 
+    # every stage's time and peak memory, the calibration's own stages in it, the tools' peaks apart
+    from nbl_gguf.commands.convert_summary import resources_table
+
+    stages = summary.resources
+    assert list(stages)[:2] == ["calibrate", "calibrate: load_model"] and "calibrate: layers" in stages
+    assert {"stock conversion", "NBL rewrite", "imatrix", "quantize stock", "quantize NBL"} <= set(stages)
+    assert all(r["wall_s"] >= 0 and r["peak_rss_bytes"] > 50 << 20 for r in stages.values())
+    assert stages["calibrate: layers"]["wall_s"] > 0 and stages["quantize NBL"]["wall_s"] > 0
+    assert stages["calibrate"]["peak_rss_bytes"] >= stages["calibrate: layers"]["peak_rss_bytes"]
+    assert stages["calibrate"]["wall_s"] >= stages["calibrate: layers"]["wall_s"]
+    assert set(stages["quantize NBL"]["tools_peak_rss_bytes"]) == {"llama-quantize"}
+    assert set(stages["stock conversion"]["tools_peak_rss_bytes"]) == {"convert_hf_to_gguf.py"}
+    assert stages["imatrix"]["tools_peak_rss_bytes"]["llama-imatrix"] > 1 << 20
+    rendered = resources_table(stages)
+    assert all(name in rendered for name in stages)
+
     reader = gguf.GGUFReader(outputs[0])
     types = nbl_format.read_layer_types(reader)
     assert [i for i, t in enumerate(types) if t == nbl_format.LINEAR] == summary.replaced
@@ -444,3 +460,22 @@ def test_inspect_does_not_import_torch(tmp_path):
     root = Path(__file__).resolve().parent.parent
     completed = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=root)
     assert completed.returncode == 0, completed.stderr
+
+
+def test_the_stock_conversion_keeps_a_16_bit_checkpoint_in_16_bits(tmp_path):
+    """--intermediate defaults to the checkpoint's own float type (lossless, half the bytes of f32)."""
+    import torch
+
+    from _calibrate_helpers import tiny_model
+    from nbl_gguf.gguf.hf_to_gguf import default_intermediate
+
+    model = tiny_model(layers=1)
+    for dtype, expected in ((torch.float16, "f16"), (torch.bfloat16, "bf16"), (torch.float32, "f32")):
+        model.to(dtype).save_pretrained(tmp_path / expected)
+        assert default_intermediate(tmp_path / expected) == expected
+    mixed = tmp_path / "mixed"  # one tensor in another type: f32 loses nothing of either
+    model.to(torch.float16).save_pretrained(mixed)
+    from safetensors.torch import save_file
+
+    save_file({"extra": torch.zeros(2, dtype=torch.float32)}, str(mixed / "extra.safetensors"))
+    assert default_intermediate(mixed) == "f32"

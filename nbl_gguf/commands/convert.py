@@ -33,7 +33,6 @@ from nbl_gguf.outputs import check_output_dir, check_output_file
 from nbl_gguf.usage import StageMeter
 
 DEFAULT_QUANT = "q4_k_m"
-DEFAULT_INTERMEDIATE = "f32"
 # the summary's held-out perplexity: a small slice, so that it costs seconds on a small model
 EVAL_CTX = 512
 EVAL_CHUNKS = 8
@@ -72,9 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--imatrix", action="store_true",
                         help="quantize with an importance matrix (llama-imatrix over the calibration text)")
     parser.add_argument("--imatrix-chunks", type=int, default=64, help="imatrix chunks of 512 tokens (default: 64)")
-    parser.add_argument("--intermediate", default=None, choices=["f32", "f16"],
+    parser.add_argument("--intermediate", default=None, choices=["f32", "f16", "bf16"],
                         help="HF --model only: type of the stock conversion that is rewritten and quantized "
-                             f"(default: {DEFAULT_INTERMEDIATE})")
+                             "(default: the checkpoint's own type when all its weights are f16 or bf16, else f32)")
     flags.add_threads(parser, "of PyTorch while calibrating and of llama-quantize, llama-imatrix and "
                               "llama-perplexity (default: theirs)")
     flags.add_seed(parser, "the calibration and llama-imatrix")
@@ -173,7 +172,7 @@ def convert(args) -> Summary:
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.calibration.calibrate import calibrate, describe_artifact
     from nbl_gguf.gguf import nbl_format
-    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf, model_shape
+    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf, default_intermediate, model_shape
     from nbl_gguf.gguf.inspect import kv_sizes, training_context
     from nbl_gguf.gguf.quantize import compute_imatrix, quantize
 
@@ -267,7 +266,7 @@ def convert(args) -> Summary:
         else:
             # 2. stock conversion
             model_dir = source.hf_folder()
-            intermediate = quant.lower() if quant in FLOAT_TYPES else args.intermediate or DEFAULT_INTERMEDIATE
+            intermediate = quant.lower() if quant in FLOAT_TYPES else args.intermediate or default_intermediate(model_dir)
             with stage(steps[1]):
                 stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
 
