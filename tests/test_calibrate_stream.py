@@ -203,6 +203,27 @@ def test_hidden_states_on_disk_give_the_same_calibration(tiny_folder, tmp_path, 
     assert assert_same_calibration(disk, memory, tolerance=1e-12) == 0.0
 
 
+def test_a_padding_token_outside_the_calibration_text_is_no_obstacle(tmp_path):
+    """The embedding module's padding index names a row of the whole vocabulary (Qwen2.5's is its last
+    token): the streamed path reads only the rows its windows use, and must give the whole model's
+    layer-0 input all the same."""
+    from nbl_gguf.calibration.stream import LayerStream
+    from nbl_gguf.model_source import resolve_model
+
+    texts = sample_texts(40, 30, seed=2)
+    tokenizer = word_tokenizer(texts)
+    vocab = len(tokenizer) + 8
+    model = tiny_model(layers=2, hidden=32, vocab=vocab, seed=2, pad_token_id=vocab - 1)
+    assert model.get_input_embeddings().padding_idx == vocab - 1
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    ids = torch.randint(4, len(tokenizer), (2, 16))
+    stream = LayerStream(resolve_model(str(tmp_path / "model")), torch.float32, "cpu")
+    stream.prepare_embedding(ids)
+    torch.testing.assert_close(stream.embed(ids), model.get_input_embeddings()(ids), rtol=0, atol=0)
+    assert stream.model.get_input_embeddings().padding_idx == vocab - 1
+
+
 # --- resume -----------------------------------------------------------------------------------------------
 
 def calibrate_command(root, out, *extra):

@@ -170,8 +170,15 @@ class LayerStream:
         local = torch.searchsorted(self._embedding_rows, ids)
         if not torch.equal(self._embedding_rows[local.clamp(max=len(self._embedding_rows) - 1)], ids):
             raise NblError("embed(): a token outside the prepared embedding rows")
-        with torch.no_grad():
-            inputs_embeds = self.model.get_input_embeddings()(local)
+        embedding = self.model.get_input_embeddings()
+        # the module's padding index names a row of the whole vocabulary, which the prepared rows may not
+        # hold; it only shapes gradients, so the lookup (and any scaling the module applies) is the same
+        padding_idx, embedding.padding_idx = embedding.padding_idx, None
+        try:
+            with torch.no_grad():
+                inputs_embeds = embedding(local)
+        finally:
+            embedding.padding_idx = padding_idx
         calls, inputs, _ = self._forward_base(inputs_embeds)
         self._calls.setdefault(tuple(ids.shape), [calls[i] for i in range(self.num_layers)])
         return inputs[0]
