@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from _convert_helpers import convert_args, save_tiny_llama
+from _convert_helpers import calibrate_for_convert, convert_args, save_tiny_llama
 from nbl_gguf.calibration.artifact import REPORT, WEIGHTS
 from nbl_gguf.llamacpp.tools import bin_dir, source_dir
 
@@ -218,8 +218,8 @@ CASES = {
                                      (r"-o \S*out\.gguf: cannot write in",), prepare=read_only_folder, read_only=True),
     "calibrate-output-read-only": Case(("calibrate", "--model", "{model}", "--device", "cpu", "-o", "{ro}/cal"),
                                        (r"-o \S*cal: cannot write in",), prepare=read_only_folder, read_only=True),
-    "eval-json-missing-folder": Case(("eval", "{nbl}", "--json", "nowhere/eval.json"),
-                                     (r"--json nowhere/eval\.json: the folder nowhere does not exist",)),
+    "eval-output-missing-folder": Case(("eval", "{nbl}", "-o", "nowhere/eval.json"),
+                                       (r"-o nowhere/eval\.json: the folder nowhere does not exist",)),
     "bench-output-read-only": Case(("bench", "--baseline", "{gguf}", "--nbl", "{nbl}", "-o", "{ro}/results"),
                                    (r"-o \S*results: cannot write in",), prepare=read_only_folder, read_only=True,
                                    needs=("llama-bench",)),
@@ -239,11 +239,10 @@ CASES = {
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Shared:
     from nbl_gguf.fixtures.tiny import TinyLlama
-    from nbl_gguf.gguf.convert import calibrate_into
 
     base = tmp_path_factory.mktemp("shared")
     model = save_tiny_llama(base / "tiny-llama", N_LAYER)
-    artifact = calibrate_into(base / "artifact", model, convert_args(model=str(model), m=2))
+    artifact = calibrate_for_convert(base / "artifact", model, convert_args(model=str(model), m=2))
     tiny = TinyLlama(n_layer=2)
     gguf_path = tiny.write_gguf(base / "tiny.gguf")
     nbl = tiny.write_nbl_gguf(base / "tiny-nbl.gguf", [0, 1], tiny.random_linear([1]))

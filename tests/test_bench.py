@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nbl_gguf.measurement import bench, bench_report, llama_bench, roofline, speedup
+from nbl_gguf.commands import bench
+from nbl_gguf.measurement import bench_report, llama_bench, roofline, speedup
+from nbl_gguf.measurement.bench import Candidate
 from nbl_gguf.cli import main
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf.nbl_format import ATTENTION as A, DROPPED as D, LINEAR as L
@@ -146,7 +148,7 @@ def test_speedup_table_ratios_and_efficiency(tiny):
 
 
 def test_schedule_interleaves_and_alternates():
-    models = [bench.Candidate("stock", None), bench.Candidate("a", None), bench.Candidate("b", None)]
+    models = [Candidate("stock", None), Candidate("a", None), Candidate("b", None)]
     plan = [(r, d, c.label) for r, d, c in llama_bench.schedule(models, [0, 512], rounds=2)]
     assert plan[:3] == [(0, 0, "stock"), (0, 0, "a"), (0, 0, "b")]
     assert plan[6:9] == [(1, 0, "b"), (1, 0, "a"), (1, 0, "stock")]
@@ -282,7 +284,7 @@ def test_bench_makes_the_largest_m_first_then_reuses_its_calibration(tmp_path, m
     takes the largest m, the others reuse its calibration; files already made are not made again."""
     from types import SimpleNamespace
 
-    from nbl_gguf.gguf import convert
+    from nbl_gguf.commands import convert
 
     calls = []
 

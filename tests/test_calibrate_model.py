@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
-from nbl_gguf.calibration import calibrate
+from nbl_gguf.commands import calibrate
 from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, BLOCK_LINEAR, KEEP, apply_nbl
 from nbl_gguf.calibration.artifact import load_artifact
 from nbl_gguf.calibration.capture import capture_activations

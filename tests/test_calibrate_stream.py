@@ -20,7 +20,7 @@ import torch
 
 from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
 from _family_helpers import FAMILIES, random_family_model
-from nbl_gguf.calibration import calibrate
+from nbl_gguf.commands import calibrate
 from nbl_gguf.calibration.artifact import CRITERIA, load_artifact
 from nbl_gguf.errors import NblError
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _convert_helpers import convert_args, save_tiny_llama
+from _convert_helpers import calibrate_for_convert, convert_args, save_tiny_llama
 from nbl_gguf import cli
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
@@ -35,10 +35,9 @@ def tiny_hf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_artifact(tiny_hf, tmp_path_factory) -> Path:
-    from nbl_gguf.gguf.convert import calibrate_into
 
     out = tmp_path_factory.mktemp("calib") / "artifact"
-    return calibrate_into(out, tiny_hf, convert_args(model=str(tiny_hf), m=2))
+    return calibrate_for_convert(out, tiny_hf, convert_args(model=str(tiny_hf), m=2))
 
 
 def listing(directory: Path) -> set[str]:
@@ -135,7 +134,7 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
     """Calibrate + convert + rewrite + imatrix + q4_k_m, twice: byte-identical, no leftovers."""
     import gguf
 
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     outputs = []
     for run in ("a", "b"):
@@ -158,7 +157,7 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
     assert "KV cache at 4,096 tokens (F16) 2.00 MiB 1.00 MiB -50.0%" in [" ".join(row.split()) for row in table.splitlines()]
 
     # every stage's time and peak memory, the calibration's own stages in it, the tools' peaks apart
-    from nbl_gguf.gguf.convert import resources_table
+    from nbl_gguf.commands.convert_summary import resources_table
 
     stages = summary.resources
     assert list(stages)[:2] == ["calibrate", "calibrate: load_model"] and "calibrate: layers" in stages
@@ -295,7 +294,7 @@ def test_convert_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkey
     """A failure (here: an interrupt while the NBL tensors are written) leaves no GGUF and no temp files."""
     import gguf
 
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     calls = {"n": 0}
     original = gguf.GGUFWriter.write_tensor_data
@@ -319,7 +318,7 @@ def test_convert_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkey
 @needs_converter
 def test_convert_quantize_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkeypatch):
     from nbl_gguf.gguf import quantize as quantize_module
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     real = quantize_module.run_tool
     calls = []
@@ -357,7 +356,7 @@ def test_convert_bad_inputs(tiny_hf, tmp_path, capsys):
 
 @needs_converter
 def test_convert_rejects_calibration_of_another_model(tiny_hf, tiny_artifact, tmp_path):
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     other = tmp_path / "other"
     shutil.copytree(tiny_hf, other)
@@ -374,7 +373,7 @@ def test_convert_rejects_calibration_of_another_model(tiny_hf, tiny_artifact, tm
 
 def test_recorded_scores_follow_the_selection(tiny_artifact):
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.gguf.convert import recorded_scores
+    from nbl_gguf.gguf.from_artifact import recorded_scores
 
     artifact = load_artifact(tiny_artifact)
     for criterion in ("cca", "nmse", "cosine"):
@@ -468,7 +467,7 @@ def test_the_stock_conversion_keeps_a_16_bit_checkpoint_in_16_bits(tmp_path):
     import torch
 
     from _calibrate_helpers import tiny_model
-    from nbl_gguf.gguf.convert import default_intermediate
+    from nbl_gguf.gguf.hf_to_gguf import default_intermediate
 
     model = tiny_model(layers=1)
     for dtype, expected in ((torch.float16, "f16"), (torch.bfloat16, "bf16"), (torch.float32, "f32")):

@@ -288,7 +288,7 @@ def smol(embedded_gguf, tmp_path_factory):
     and its artifact."""
     pytest.importorskip("llama_cpp")
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     root = tmp_path_factory.mktemp("gguf-in")
     output = root / "out" / "smol-nbl.gguf"
@@ -359,7 +359,7 @@ def test_nbl_type_f16_matches_the_calibrated_maps(smol, dequantized, embedded_gg
     own float32 maps as closely as the unmodified file matches its model."""
     import gguf
 
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     summary, _, artifact, types = smol
     loaded, windows, stock = dequantized
@@ -379,7 +379,7 @@ def test_nbl_type_f16_matches_the_calibrated_maps(smol, dequantized, embedded_gg
 def test_nbl_type_q8_0_and_refusals(smol, embedded_gguf, tmp_path):
     import gguf
 
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     summary, _, artifact, types = smol
     output = tmp_path / "out" / "nbl-q8_0.gguf"
@@ -411,7 +411,7 @@ def test_nbl_type_q8_0_and_refusals(smol, embedded_gguf, tmp_path):
 
 def test_options_that_mean_nothing_for_a_gguf(embedded_gguf, tmp_path, capsys):
     from nbl_gguf import cli
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     output = tmp_path / "out" / "x.gguf"
     output.parent.mkdir()
@@ -435,7 +435,7 @@ def test_options_that_mean_nothing_for_a_gguf(embedded_gguf, tmp_path, capsys):
 
 
 def test_bad_gguf_inputs_are_refused_by_name(embedded_gguf, smol, tmp_path):
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -477,7 +477,7 @@ def test_calibrate_on_a_gguf_is_calibrating_its_dequantized_model(embedded_gguf,
     and records the file."""
     import argparse
 
-    from nbl_gguf.calibration import calibrate
+    from nbl_gguf.commands import calibrate
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.model_source import resolve_model
 
@@ -504,7 +504,7 @@ def test_sweep_on_a_gguf_measures_the_file_and_its_surgery(embedded_gguf, smol, 
     import argparse
     import csv
 
-    from nbl_gguf.measurement import eval as eval_command
+    from nbl_gguf.commands import eval as eval_command
 
     _, _, artifact, _ = smol
     parser = argparse.ArgumentParser()
@@ -545,7 +545,7 @@ def test_qwen_coder_q4_k_m_end_to_end(qwen_gguf, tmp_path):
     pytest.importorskip("llama_cpp")
     from nbl_gguf import models
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
     from nbl_gguf.model_source import resolve_model
 
     output = tmp_path / "qwen-nbl4.gguf"

@@ -1,11 +1,11 @@
-"""`inspect`: the NBL layer map of a GGUF (stock files too), its provenance, tensors and KV cache cost.
+"""What a GGUF holds (stock files too): its NBL layer map, provenance, tensors and KV cache cost, as data
+(describe) and as the text `inspect` prints (format_text; the command: nbl_gguf.commands.inspect).
 
 Reads the file with gguf-py only (memory-mapped; no torch, no llama.cpp).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections import defaultdict
@@ -38,16 +38,6 @@ LAYOUTS = {
 GGUF_MAGIC = b"GGUF"
 # how gguf-py fails when a field or a tensor runs past the end of the file (a cut download or copy)
 GGUF_PAST_THE_END = ("exceeds remaining file size", "cannot reshape array of size")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="a GGUF file (NBL or stock)")
-    parser.add_argument("--json", action="store_true",
-                        help="print everything inspect knows (the whole calibration record, every tensor) as JSON")
-    parser.add_argument("--tensors", action="store_true", help="also list every tensor (text output)")
-    parser.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
-                        help="context of the KV cache figures (default: the model's training context, which "
-                             "llama-cli and llama-server allocate when not given -c)")
 
 
 def open_gguf(path: str | os.PathLike):
@@ -534,12 +524,3 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
             shape = "x".join(str(n) for n in tensor["shape"])
             out.append(f"  {tensor['name']:<32s} {tensor['type']:<7s} {shape:<14s} {human_bytes(tensor['bytes'])}")
     return "\n".join(out)
-
-
-def run(args: argparse.Namespace) -> int:
-    info = describe(args.file, args.ctx_size)
-    if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        print(format_text(info, with_tensors=args.tensors))
-    return 0
