@@ -136,7 +136,8 @@ def run_calibrate(*argv):
     (the default, best, measures the model on held-out windows: tests/test_calibrate_select.py)."""
     parser = argparse.ArgumentParser()
     calibrate.add_arguments(parser)
-    return calibrate.run(parser.parse_args(["--criterion", "cosine"] + [str(a) for a in argv]))
+    # fp32: the maps are checked against numpy's least squares on fp32 activations
+    return calibrate.run(parser.parse_args(["--criterion", "cosine", "--dtype", "fp32"] + [str(a) for a in argv]))
 
 
 def test_calibrate_end_to_end_artifact(tiny_checkpoint):

@@ -149,7 +149,9 @@ def best_choices(artifact, source, methods: list[str], ms: list[int], cache, cal
     seqlen, fit_windows = int(data["seqlen"]), int(data["nsamples"])
     held = int(data.get("selection_windows") or 0) or -(-DEFAULT_SELECTION_TOKENS // seqlen)
     torch.manual_seed(0)
-    stream = LayerStream(source, torch.float32, "cpu")
+    # the calibration's own compute type, so that the losses (and the choice) repeat calibrate's
+    dtype = getattr(torch, artifact.report["model"].get("dtype") or "float32")
+    stream = LayerStream(source, dtype, "cpu")
     windows = load_calibration(stream.tokenizer, data.get("dataset"), fit_windows + held, seqlen,
                                config=data.get("dataset_config"), split=data.get("split") or "train",
                                max_positions=max_context(stream.config))
