@@ -11,7 +11,7 @@ from pathlib import Path
 
 from _build_info import expected_build_info, expected_commit, pinned, series
 from nbl_gguf.fixtures.tiny import TinyLlama
-from nbl_gguf.gguf.convert import llama_cpp_patches_sha256
+from nbl_gguf.gguf.from_artifact import llama_cpp_patches_sha256
 from nbl_gguf.llamacpp import tools as llamacpp
 
 

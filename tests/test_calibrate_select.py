@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
-from nbl_gguf.calibration import calibrate
+from nbl_gguf.commands import calibrate
 from nbl_gguf.calibration import select as selection
 from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, apply_nbl
 from nbl_gguf.calibration.artifact import load_artifact

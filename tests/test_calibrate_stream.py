@@ -20,7 +20,7 @@ import torch
 
 from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
 from _family_helpers import FAMILIES, random_family_model
-from nbl_gguf.calibration import calibrate
+from nbl_gguf.commands import calibrate
 from nbl_gguf.calibration.artifact import CRITERIA, load_artifact
 from nbl_gguf.errors import NblError
 
@@ -128,7 +128,7 @@ def test_embedded_gguf_streamed_equals_whole_model(tmp_path):
     from nbl_gguf import models
 
     gguf = models.embedded_gguf_path()
-    streamed, whole = both_paths(tmp_path, "--model", gguf, "--nsamples", 2, "--seqlen", 128,
+    streamed, whole = both_paths(tmp_path, "--model", gguf, "--nsamples", 6, "--seqlen", 128,
                                  "--selection-windows", 8, "--m", 4, "--dtype", "fp32", "--targets", "attn")
     assert_same_calibration(streamed, whole)
     assert streamed.report["model"]["gguf"]["sha256"] == whole.report["model"]["gguf"]["sha256"]
@@ -203,6 +203,27 @@ def test_hidden_states_on_disk_give_the_same_calibration(tiny_folder, tmp_path, 
     assert assert_same_calibration(disk, memory, tolerance=1e-12) == 0.0
 
 
+def test_a_padding_token_outside_the_calibration_text_is_no_obstacle(tmp_path):
+    """The embedding module's padding index names a row of the whole vocabulary (Qwen2.5's is its last
+    token): the streamed path reads only the rows its windows use, and must give the whole model's
+    layer-0 input all the same."""
+    from nbl_gguf.calibration.stream import LayerStream
+    from nbl_gguf.model_source import resolve_model
+
+    texts = sample_texts(40, 30, seed=2)
+    tokenizer = word_tokenizer(texts)
+    vocab = len(tokenizer) + 8
+    model = tiny_model(layers=2, hidden=32, vocab=vocab, seed=2, pad_token_id=vocab - 1)
+    assert model.get_input_embeddings().padding_idx == vocab - 1
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    ids = torch.randint(4, len(tokenizer), (2, 16))
+    stream = LayerStream(resolve_model(str(tmp_path / "model")), torch.float32, "cpu")
+    stream.prepare_embedding(ids)
+    torch.testing.assert_close(stream.embed(ids), model.get_input_embeddings()(ids), rtol=0, atol=0)
+    assert stream.model.get_input_embeddings().padding_idx == vocab - 1
+
+
 # --- resume -----------------------------------------------------------------------------------------------
 
 def calibrate_command(root, out, *extra):
@@ -263,13 +284,13 @@ def test_a_changed_input_starts_afresh_and_says_so(tiny_folder, tmp_path):
     env = {**os.environ, "NBL_GGUF_CACHE": str(tmp_path / "cache")}
     kill_after(calibrate_command(tiny_folder, tmp_path / "out"), env, tmp_path / "cache", 2)
     assert layers_done(tmp_path / "cache") >= 2
-    changed = subprocess.run(calibrate_command(tiny_folder, tmp_path / "out", "--seqlen", 48), env=env, cwd=REPO,
+    changed = subprocess.run(calibrate_command(tiny_folder, tmp_path / "out", "--nsamples", 20), env=env, cwd=REPO,
                              capture_output=True, text=True)
     assert changed.returncode == 0, changed.stderr
     assert "was made with other inputs (tokens changed): starting afresh" in changed.stderr
     assert "resuming" not in changed.stderr
     fresh_env = {**os.environ, "NBL_GGUF_CACHE": str(tmp_path / "fresh-cache")}
-    subprocess.run(calibrate_command(tiny_folder, tmp_path / "fresh", "--seqlen", 48), env=fresh_env, cwd=REPO,
+    subprocess.run(calibrate_command(tiny_folder, tmp_path / "fresh", "--nsamples", 20), env=fresh_env, cwd=REPO,
                    check=True, capture_output=True)
     assert (tmp_path / "out" / "nbl.safetensors").read_bytes() == (tmp_path / "fresh" / "nbl.safetensors").read_bytes()
 
@@ -386,3 +407,33 @@ def test_streamed_perplexities_equal_the_whole_model_for_every_layer_type(tiny_f
         assert streamed[name].ppl == pytest.approx(want.ppl, rel=1e-6), name
         assert streamed[name].error == pytest.approx(want.error, rel=1e-5) and streamed[name].chunks == 6
     assert len({round(p.ppl, 6) for p in streamed.values()}) == len(variants)  # every variant differs
+
+
+def test_states_are_locked_per_key_and_stale_ones_are_removed(tmp_path, capsys):
+    from nbl_gguf.calibration.resume import CalibrationState
+
+    model = {"gguf_sha256": "ab" * 32}
+    messages = []
+    first = CalibrationState.for_model(model, {"tokens": "t1"}, log=messages.append)
+    assert first.open() == 0
+    first.save_layer(0, {"index": 0}, {"attn.0.weight": np.ones((2, 2), np.float32)})
+    first.finish_layer(0)
+    # the same key while it runs: refused; other inputs while it runs: side by side, nothing removed
+    with pytest.raises(NblError, match="the same calibration is running already"):
+        CalibrationState.for_model(model, {"tokens": "t1"}).open()
+    other = CalibrationState.for_model(model, {"tokens": "t2"}, log=messages.append)
+    assert other.open() == 0 and first.folder.is_dir() and not messages
+    other.close(finished=False)
+    first.close(finished=False)
+    # the interrupted first run, resumed; then a run with other inputs removes both stale states
+    again = CalibrationState.for_model(model, {"tokens": "t1"}, log=messages.append)
+    assert again.open() == 1 and messages == [f"calibration: resuming after layer 0 (state {first.folder})"]
+    again.close(finished=False)
+    third = CalibrationState.for_model(model, {"tokens": "t3"}, log=messages.append)
+    assert third.open() == 0
+    assert sorted(m.split(" was made")[0] for m in messages[1:]) == sorted(
+        f"calibration: the saved state in {f}" for f in (first.folder, other.folder))
+    assert all("(tokens changed): starting afresh" in m for m in messages[1:])
+    assert not first.folder.exists() and not other.folder.exists()
+    third.close(finished=True)
+    assert not third.folder.exists()

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _convert_helpers import convert_args
+from _convert_helpers import calibrate_for_convert, convert_args
 from _family_helpers import FAMILIES, N_LAYER, random_family_model
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
@@ -82,11 +82,10 @@ def spm():
 def family(request, spm, tmp_path_factory):
     """A tiny model of the family and one calibration of it (shared by both methods)."""
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.gguf.convert import calibrate_into
 
     root = tmp_path_factory.mktemp(request.param)
     model_dir = tiny_family_model(request.param, root, spm)
-    artifact_dir = calibrate_into(root / "calibration", model_dir, convert_args(model=str(model_dir), m=M))
+    artifact_dir = calibrate_for_convert(root / "calibration", model_dir, convert_args(model=str(model_dir), m=M))
     return request.param, model_dir, artifact_dir, load_artifact(artifact_dir)
 
 
@@ -99,7 +98,7 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
     from nbl_gguf import models
     from nbl_gguf.llamacpp import library
     from nbl_gguf.calibration.apply import apply_nbl
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     name, model_dir, artifact_dir, artifact = family
     output = tmp_path / f"{name}-{method}.gguf"

@@ -165,7 +165,7 @@ def embedded_prepared():
 
 
 def window_args(**overrides) -> argparse.Namespace:
-    from nbl_gguf.calibration import calibrate
+    from nbl_gguf.commands import calibrate
 
     parser = argparse.ArgumentParser()
     calibrate.add_arguments(parser)
@@ -239,7 +239,7 @@ def tiny_gemma3(tmp_path_factory):
 
 
 def test_best_reports_the_kv_saving_of_its_layers_as_llama_cpp_allocates_it(tiny_gemma3, capsys):
-    from nbl_gguf.calibration import calibrate
+    from nbl_gguf.commands import calibrate
     from nbl_gguf.calibration.artifact import load_artifact
 
     from _family_helpers import HEAD_DIM, KV_HEADS

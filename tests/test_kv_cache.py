@@ -75,7 +75,7 @@ def test_gemma3_270m_by_hand(tmp_path):
 def test_gemma3_270m_summary_rows(tmp_path):
     import gguf
 
-    from nbl_gguf.gguf.convert import Summary
+    from nbl_gguf.commands.convert_summary import Summary
     from nbl_gguf.gguf.inspect import kv_sizes
 
     reader = gguf.GGUFReader(gemma3_270m_metadata(tmp_path / "gemma-3-270m.gguf"))

@@ -36,8 +36,9 @@ def _keep_positions(past_key_values, layer_idx: int, hidden_states: torch.Tensor
 class _Affine(nn.Module):
     def __init__(self, weight, bias, layer_idx: int | None):
         super().__init__()
-        weight = torch.as_tensor(np.asarray(weight), dtype=torch.float32)
-        bias = torch.as_tensor(np.asarray(bias), dtype=torch.float32)
+        # copies: the maps may come read-only from a memory-mapped file (the artifact, a GGUF)
+        weight = torch.tensor(np.asarray(weight), dtype=torch.float32)
+        bias = torch.tensor(np.asarray(bias), dtype=torch.float32)
         if weight.ndim != 2 or weight.shape[0] != weight.shape[1] or bias.shape != weight.shape[:1]:
             raise NblError(f"layer {layer_idx}: expected a square weight and matching bias, got "
                            f"{tuple(weight.shape)} and {tuple(bias.shape)}")

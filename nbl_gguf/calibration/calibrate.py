@@ -1,4 +1,5 @@
-"""`calibrate`: run the model once over calibration text, fit every layer, score, select, save.
+"""The calibration stage: run the model over calibration text, fit every layer, score, select, save
+an artifact (``calibrate(Settings(...))``; the `calibrate` command is nbl_gguf.commands.calibrate).
 
 One forward pass feeds all layers' statistics at once (hooks fold each batch into float64 sums),
 then each layer is solved independently. The artifact holds the maps for every layer, so the
@@ -7,17 +8,16 @@ selection (m, criterion, method) can be changed later without running the model 
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
 from nbl_gguf import models
-from nbl_gguf.calibration.artifact import CRITERIA, DEFAULT_CRITERION, LOCAL_DEFAULT, SELECTIONS, TARGETS
+from nbl_gguf.calibration.artifact import CRITERIA, DEFAULT_CRITERION, LOCAL_DEFAULT, TARGETS
 from nbl_gguf.errors import NblError
 from nbl_gguf.outputs import check_output_dir
 
@@ -37,67 +37,6 @@ DEFAULT_OUTPUT_ROOT = Path("out") / "calibration"
 STATISTICS_PARTIAL = "float32"  # the name of statistics.CALIBRATION_PARTIAL, recorded in the report
 
 
-def parse_m(text: str):
-    """--m: a layer count or 'auto' (the largest m within --max-ppl-increase)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of layers or 'auto', got {text!r}") from None
-
-
-def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
-    """How many layers and which (shared with `convert`)."""
-    parser.add_argument("--m", type=parse_m, default=None,
-                        help=f"number of layers to replace, or 'auto': the largest m whose perplexity increase on "
-                             f"held-out calibration windows stays within --max-ppl-increase "
-                             f"(default: min({DEFAULT_M}, layers - 1))")
-    parser.add_argument("--max-ppl-increase", type=float, default=None, metavar="P",
-                        help=f"with --m auto: the budget, in percent of the unmodified model's held-out perplexity "
-                             f"(default: {DEFAULT_MAX_PPL_INCREASE:g})")
-    parser.add_argument("--criterion", default=DEFAULT_CRITERION, choices=SELECTIONS,
-                        help="how layers are chosen: best (default: the set of cosine, nmse or cca that costs least on "
-                             "held-out calibration windows), cosine, nmse, cca (the NBL paper's CCA bound), or greedy "
-                             "(joint: adds the layer that costs the whole model least on those windows)")
-    parser.add_argument("--selection-windows", type=int, default=None,
-                        help="calibration windows held out from the fit to measure the model for --m auto and "
-                             f"--criterion best/greedy (default: {DEFAULT_SELECTION_TOKENS} tokens' worth)")
-    parser.add_argument("--candidates", type=int, default=None,
-                        help="greedy: layers tried at each step, the first not yet chosen of the cosine and nmse rankings "
-                             "in turn (default: 5)")
-    parser.add_argument("--selection-text", type=check_selection_text, default=DEFAULT_SELECTION_TEXT, metavar="TEXT",
-                        help="the held-out windows that --m auto and --criterion best/greedy measure: 'mix' (the "
-                             "calibration text's windows after the fit windows, and the bundled Python documentation "
-                             "and Python code held out for selection, a third of the windows each), 'calibration' "
-                             "(the calibration text's only), or KIND:WEIGHT,... of the kinds calibration, prose, code "
-                             f"(default: {DEFAULT_SELECTION_TEXT})")
-    parser.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
-                        help="context at which the selection reports the KV cache its layers save, as llama.cpp "
-                             "allocates it (default: the model's training context, llama-cli's default)")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def check_selection_text(text: str) -> str:
-    """--selection-text, checked when the command line is read (a typo costs no calibration)."""
-    from nbl_gguf.calibration.dataset import parse_selection_text
-
-    try:
-        parse_selection_text(text)
-    except NblError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
-
-
 def selection_budget(m, max_ppl_increase) -> tuple[int | None, float | None]:
     """(m or None for auto, budget or None); a budget needs --m auto."""
     if m == "auto":
@@ -114,56 +53,6 @@ def parse_targets(text: str) -> tuple[str, ...]:
     if unknown or "attn" not in targets:
         raise NblError(f"--targets {text!r}: use 'attn' or 'attn,block'")
     return tuple(t for t in TARGETS if t in targets)
-
-
-def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where the calibration text comes from (shared with `convert`)."""
-    parser.add_argument("--dataset", default=None,
-                        help="local .txt/.json/.jsonl/.parquet file or a `datasets` hub name "
-                             "(default: bundled C4 sample, first 256 documents)")
-    parser.add_argument("--dataset-config", default=None, help="hub dataset configuration (e.g. 'en' for allenai/c4)")
-    parser.add_argument("--split", default="train", help="hub dataset split (default: train)")
-    parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="HF folder, hub id or GGUF file of a supported model (llama, mistral, qwen2/3, phi3, "
-                             "gemma2/3, ...; a GGUF is calibrated as transformers dequantizes it) "
-                             "(default: embedded SmolLM2-135M-Instruct)")
-    add_dataset_arguments(parser)
-    parser.add_argument("--nsamples", type=int, default=None,
-                        help="number of calibration windows for the fit (default: 256 on CUDA, 32 on a CPU)")
-    parser.add_argument("--seqlen", type=int, default=2048,
-                        help="tokens per window, capped by the model's context (default: 2048)")
-    parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (default: 1)")
-    add_compute_arguments(parser)
-    parser.add_argument("--stats-device", default=None,
-                        help="where the float64 statistics live (default: the model device; 'cpu' saves GPU memory)")
-    add_selection_arguments(parser)
-    parser.add_argument("--method", default="attn-nbl", choices=METHODS)
-    parser.add_argument("-o", "--output", default=None, help="artifact directory (default: out/calibration/<model>)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--targets", default="attn,block",
-                        help="what to fit: 'attn,block' (default; block-level NBL is a baseline of the paper) or "
-                             "'attn' (about a third faster: the attention is all a GGUF can replace)")
-    parser.add_argument("--save-covariances", action="store_true",
-                        help="also store float64 covariances (3 d x d per layer and target; large)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def add_compute_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where and how the model runs while calibrating (shared with `convert`)."""
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                        help="compute dtype of the model while calibrating (default: " + models.DTYPE_DEFAULT_HELP + ")")
-    parser.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
-    parser.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
-                        help="host memory (GiB) the layer-streamed calibration plans for: one layer, its statistics "
-                             "and, when they fit, the windows' hidden states (else they go to disk) "
-                             "(default: half the available memory)")
-    parser.add_argument("--whole-model", action="store_true",
-                        help="load the whole model at once instead of one layer at a time (the reference path: "
-                             "same results, memory for every layer)")
 
 
 def _versions() -> dict:
@@ -516,7 +405,46 @@ def run_whole_model(args, prepared: Prepared, loaded, calib, heldout_ids, target
     return entries, selection, tensors
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass
+class Settings:
+    """What a calibration is asked for: the `calibrate` command's options, under the same names (the
+    command's parser gives these defaults; tests/test_command_flags.py holds them equal)."""
+
+    model: str | None = None  # HF folder, hub id or GGUF file (None: the embedded model)
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    nsamples: int | None = None  # None: DEFAULT_NSAMPLES of the device
+    seqlen: int = 2048
+    batch_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    memory_budget: float | None = None  # GiB; None: half the available memory
+    whole_model: bool = False
+    stats_device: str | None = None
+    m: int | str | None = None  # a layer count, "auto", or None for default_m
+    max_ppl_increase: float | None = None
+    criterion: str = DEFAULT_CRITERION
+    selection_windows: int | None = None
+    candidates: int | None = None
+    selection_text: str = DEFAULT_SELECTION_TEXT
+    ctx_size: int | None = None  # the context of the KV figures; None: the model's training context
+    method: str = "attn-nbl"
+    output: str | None = None  # the artifact directory; None: DEFAULT_OUTPUT_ROOT / the model's name
+    seed: int = 0
+    targets: str = "attn,block"
+    save_covariances: bool = False
+    no_progress: bool = False
+    threads: int | None = None  # PyTorch's CPU threads; None: its default
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def calibrate(args: Settings) -> Path:
+    """Calibrate as ``args`` says and write the artifact; returns its directory."""
     import torch
 
     from nbl_gguf.calibration import dataset
@@ -534,6 +462,10 @@ def run(args: argparse.Namespace) -> int:
         check_output_dir(args.output, "-o", renamed_into_place=True)
     else:
         check_output_dir(DEFAULT_OUTPUT_ROOT, "the default -o")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise NblError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     meter = StageMeter()
     loaded = stream = None
@@ -604,6 +536,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if state is not None:
             state.close(finished=written)
-    print(describe_selection(selection, num_layers))
-    print(f"artifact: {output}  ({calib.tokens} tokens, timings {report['timings_s']})")
-    return 0
+    return output
+
+
+def describe_artifact(artifact) -> str:
+    """What a calibration says when it is done: its selection and where the artifact went."""
+    report = artifact.report
+    return (describe_selection(report["selection"], artifact.num_layers) + "\n"
+            + f"artifact: {artifact.path}  ({report['data']['tokens']} tokens, timings {report['timings_s']})")

@@ -1,11 +1,13 @@
 """The resume state of a layer-streamed calibration: every finished layer's results, and the hidden
 states the next layer starts from.
 
-One state folder per model (under the cache: ``NBL_GGUF_CACHE/calibration-state``), holding a key
-of everything the per-layer results depend on (the model's identity, the calibration tokens, the
+One state folder per model and key (under the cache: ``NBL_GGUF_CACHE/calibration-state``), the key
+being everything the per-layer results depend on (the model's identity, the calibration tokens, the
 settings, this package's version). Running the same command again after an interruption (SIGINT,
 SIGTERM, a killed process) continues after the last finished layer; a run whose key differs starts
-afresh, says what changed, and never mixes in a layer of the old run. A layer counts as finished
+afresh, says what changed, and never mixes in a layer of the old run, whose interrupted state it
+removes (unless that run is still going: calibrations of one model with other settings can run side
+by side). A layer counts as finished
 only once its results and the next layer's input are on disk and ``state.json`` says so (written
 by rename), so a state is consistent at every instant. The folder is removed when the calibration
 completes.
@@ -52,17 +54,18 @@ def state_root() -> Path:
 class CalibrationState:
     """A state folder, locked while a calibration uses it."""
 
-    def __init__(self, folder: Path, inputs: dict, log=None):
-        self.folder = Path(folder)
+    def __init__(self, root: Path, model_key: str, inputs: dict, log=None):
         self.inputs = inputs
         self.key = digest({"format": STATE_FORMAT, **inputs})
+        self.root, self.model_key = Path(root), model_key
+        self.folder = self.root / f"{model_key}-{self.key[:16]}"
         self.log = log or (lambda text: print(text, file=sys.stderr))
         self._lock = None
         self.layers_done = 0
 
     @classmethod
     def for_model(cls, model_identity: dict, inputs: dict, log=None) -> "CalibrationState":
-        return cls(state_root() / digest(model_identity)[:16], {"model": model_identity, **inputs}, log)
+        return cls(state_root(), digest(model_identity)[:16], {"model": model_identity, **inputs}, log)
 
     # --- lifetime ---------------------------------------------------------------------------------
 
@@ -73,27 +76,46 @@ class CalibrationState:
             self._lock = open(self.folder / ".lock", "w")
         except OSError as error:
             raise disk_error(self.folder / ".lock", error) from error
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if not _try_lock(self._lock):
             self._lock.close()
             self._lock = None
-            raise NblError(f"another calibration of this model is running (its state is {self.folder}); wait for it "
-                           f"to finish, or give this one another NBL_GGUF_CACHE") from None
+            raise NblError(f"the same calibration is running already (its state is {self.folder}); wait for it to "
+                           f"finish, or give this one another NBL_GGUF_CACHE") from None
         saved = self._read_state()
         if saved is not None and saved.get("key") == self.key:
             self.layers_done = int(saved.get("layers_done", 0))
             if self.layers_done:
                 self.log(f"calibration: resuming after layer {self.layers_done - 1} (state {self.folder})")
             return self.layers_done
-        if saved is not None:
-            changed = sorted(k for k in set(saved.get("inputs", {})) | set(self.inputs)
-                             if saved.get("inputs", {}).get(k) != self.inputs.get(k))
-            self.log(f"calibration: the saved state in {self.folder} was made with other inputs "
-                     f"({', '.join(changed) or 'format'} changed): starting afresh")
         self._clear()
+        self._remove_stale_states()
         self._write_state(0)
         return 0
+
+    def _remove_stale_states(self) -> None:
+        """Interrupted calibrations of this model with other inputs: say what changed and remove them
+        (their layers can never be used by this run); those still running are left alone."""
+        for other in sorted(self.root.glob(f"{self.model_key}-*")):
+            if other == self.folder or not other.is_dir():
+                continue
+            try:
+                lock = open(other / ".lock", "a")
+            except OSError:
+                continue
+            try:
+                if not _try_lock(lock):
+                    continue
+                try:
+                    saved = json.loads((other / STATE_FILE).read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    saved = {}
+                old = saved.get("inputs", {})
+                changed = sorted(k for k in set(old) | set(self.inputs) if old.get(k) != self.inputs.get(k))
+                self.log(f"calibration: the saved state in {other} was made with other inputs "
+                         f"({', '.join(changed) or 'format'} changed): starting afresh")
+                shutil.rmtree(other, ignore_errors=True)
+            finally:
+                lock.close()
 
     def close(self, finished: bool) -> None:
         """Release the lock; a finished calibration's state is deleted (its artifact holds the results)."""
@@ -177,3 +199,11 @@ class CalibrationState:
             raise NblError(f"the layer-streamed calibration needs about {needed / 2**30:.1f} GiB in {self.folder} for "
                            f"its hidden states and per-layer results; {free / 2**30:.1f} GiB are free (set NBL_GGUF_CACHE "
                            f"to a folder on a larger disk)")
+
+
+def _try_lock(handle) -> bool:
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False

@@ -170,8 +170,15 @@ class LayerStream:
         local = torch.searchsorted(self._embedding_rows, ids)
         if not torch.equal(self._embedding_rows[local.clamp(max=len(self._embedding_rows) - 1)], ids):
             raise NblError("embed(): a token outside the prepared embedding rows")
-        with torch.no_grad():
-            inputs_embeds = self.model.get_input_embeddings()(local)
+        embedding = self.model.get_input_embeddings()
+        # the module's padding index names a row of the whole vocabulary, which the prepared rows may not
+        # hold; it only shapes gradients, so the lookup (and any scaling the module applies) is the same
+        padding_idx, embedding.padding_idx = embedding.padding_idx, None
+        try:
+            with torch.no_grad():
+                inputs_embeds = embedding(local)
+        finally:
+            embedding.padding_idx = padding_idx
         calls, inputs, _ = self._forward_base(inputs_embeds)
         self._calls.setdefault(tuple(ids.shape), [calls[i] for i in range(self.num_layers)])
         return inputs[0]
@@ -213,12 +220,13 @@ class LayerStream:
         with torch.no_grad():
             for start in range(0, seqlen - 1, LOSS_POSITIONS):
                 stop = min(seqlen - 1, start + LOSS_POSITIONS)
-                logits = head(normed[:, start:stop])
+                # as rows of a 2-D matrix: a slice along the positions keeps the window's batch stride,
+                # and with it torch's bf16 CPU matmul left its fast path (10x slower at the 8B shape)
+                logits = head(normed[:, start:stop].reshape(-1, normed.shape[-1]))
                 if self.softcap is not None:
                     logits = torch.tanh(logits / self.softcap) * self.softcap
-                logits = logits.float()
-                nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                        ids[:, start + 1:stop + 1].reshape(-1), reduction="none")
+                nll = torch.nn.functional.cross_entropy(logits.float(), ids[:, start + 1:stop + 1].reshape(-1),
+                                                        reduction="none")
                 values[:, start:stop] = nll.reshape(ids.shape[0], stop - start).double().cpu()
         return values
 

@@ -124,6 +124,19 @@ class WeightSource:
         raise NotImplementedError
 
 
+def safetensors_dtypes(folder: Path) -> set[str]:
+    """The dtypes (safetensors names: F32, F16, BF16, ...) of every tensor of a folder's *.safetensors."""
+    dtypes = set()
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if size > 100 << 20:
+                raise NblError(f"{path} is not a safetensors file (header size {size})")
+            header = json.loads(handle.read(size))
+        dtypes |= {info["dtype"] for name, info in header.items() if name != "__metadata__"}
+    return dtypes
+
+
 class SafetensorsSource(WeightSource):
     """A HF folder's *.safetensors files (one, or shards)."""
 

@@ -1,16 +1,17 @@
-"""`inspect`: the NBL layer map of a GGUF (stock files too), its provenance, tensors and KV cache cost.
+"""What a GGUF holds (stock files too): its NBL layer map, provenance, tensors and KV cache cost, as data
+(describe) and as the text `inspect` prints (format_text; the command: nbl_gguf.commands.inspect).
 
 Reads the file with gguf-py only (memory-mapped; no torch, no llama.cpp).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections import defaultdict
 from pathlib import Path
 
+from nbl_gguf.calibration.artifact import CRITERIA
 from nbl_gguf.errors import NblError
 from nbl_gguf.kv_cache import Context, KvLayer, KvModel, KvSize, kv_size
 from nbl_gguf.gguf.nbl_format import (
@@ -19,6 +20,7 @@ from nbl_gguf.gguf.nbl_format import (
     CRITERION_KEY,
     LAYER_TYPE_NAMES,
     METHOD_KEY,
+    SCORES_CRITERION_KEY,
     SCORES_KEY,
     layer_of,
     read_layer_types,
@@ -36,15 +38,6 @@ LAYOUTS = {
 GGUF_MAGIC = b"GGUF"
 # how gguf-py fails when a field or a tensor runs past the end of the file (a cut download or copy)
 GGUF_PAST_THE_END = ("exceeds remaining file size", "cannot reshape array of size")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="a GGUF file (NBL or stock)")
-    parser.add_argument("--json", action="store_true", help="print the description as JSON")
-    parser.add_argument("--tensors", action="store_true", help="also list every tensor")
-    parser.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
-                        help="context of the KV cache figures (default: the model's training context, which "
-                             "llama-cli and llama-server allocate when not given -c)")
 
 
 def open_gguf(path: str | os.PathLike):
@@ -236,6 +229,10 @@ def describe(path: str | os.PathLike, n_ctx: int | None = None) -> dict:
     types = file_layer_types(reader)
     layout_name, stock_runs = layout(reader)
     scores = _field(reader, SCORES_KEY)
+    criterion = _field(reader, CRITERION_KEY)
+    # files from before nbl.scores_criterion record scores of a local criterion only, under nbl.criterion
+    scores_criterion = _field(reader, SCORES_CRITERION_KEY,
+                              criterion if scores is not None and criterion in CRITERIA else None)
     calibration = _field(reader, CALIBRATION_KEY)
     if calibration is not None:
         try:
@@ -294,7 +291,8 @@ def describe(path: str | os.PathLike, n_ctx: int | None = None) -> dict:
         "block_count": n_layer,
         "embedding_length": _field(reader, f"{arch}.embedding_length"),
         "method": _field(reader, METHOD_KEY),
-        "criterion": _field(reader, CRITERION_KEY),
+        "criterion": criterion,
+        "scores_criterion": scores_criterion,
         "calibration": calibration,
         "layers": layers,
         "replaced": {name: sum(1 for e in layers if e["type"] == name) for name in ("linear", "dropped")},
@@ -367,6 +365,118 @@ def kv_lines(info: dict) -> list[str]:
     return out
 
 
+INDENT = " " * 15  # under the value column of format_text
+
+
+def scores_line(info: dict) -> str:
+    """Which score the layer table shows, or why it shows none."""
+    criterion, chosen = info["criterion"], info["scores_criterion"]
+    if chosen is not None:
+        why = f"the criterion that {criterion} chose" if chosen != criterion else "the criterion that chose the layers"
+        return f"{chosen} ({why}); lower: more replaceable"
+    if criterion == "greedy":
+        return "none per layer: greedy chose the layers by the held-out perplexity of the whole model (selection above)"
+    if criterion == "best":
+        return "none recorded (the file predates nbl.scores_criterion, which best's scores need)"
+    return "none recorded in the file"
+
+
+def _short(value, digits: int = 12) -> str:
+    return str(value)[:digits] if value else "?"
+
+
+def _increase_steps(heldout: dict) -> str:
+    """The held-out perplexity increase as the layers were added (walk, greedy) or of the set at once."""
+    order, increases = heldout.get("order") or [], heldout.get("ppl_increase_pct") or []
+    if increases and len(increases) == len(order):
+        return ", ".join(f"+layer {layer} {inc:+.1f}%" for layer, inc in zip(order, increases))
+    if increases:
+        return f"{len(order)} layers together {increases[-1]:+.1f}%"
+    return "no layer added"
+
+
+def selection_lines(selection: dict) -> list[str]:
+    """How the provenance's measured selection chose the layers: what it compared, on how many tokens."""
+    heldout = selection.get("heldout") or {}
+    lines = [f"{selection.get('method', '?')} by {selection.get('criterion', '?')}, m = {selection.get('m', '?')}"
+             + (f" (--m auto within +{selection['max_ppl_increase']:g}%)" if "max_ppl_increase" in selection else "")
+             + f": held-out perplexity on {heldout.get('heldout_tokens', 0):,} tokens"
+             + (f" (unmodified {heldout['base_ppl']:.3f})" if "base_ppl" in heldout else "")]
+    compared = heldout.get("compared")
+    if compared:
+        chosen = heldout.get("criterion")
+        width = max(len(name) for name in compared)
+        for name, entry in compared.items():
+            layers = ", ".join(map(str, entry.get("layers", []))) or "none"
+            mark = "  <- chosen" if name == chosen else ""
+            lines.append(f"  {name:<{width}s}  {entry.get('ppl_increase_pct', float('nan')):+7.1f}%  "
+                         f"layers {layers}{mark}")
+        if chosen is not None and len(heldout.get("order") or []) == len(heldout.get("ppl_increase_pct") or []):
+            lines.append(f"  {chosen} walk: {_increase_steps(heldout)}")
+    else:
+        lines.append(f"  {_increase_steps(heldout)}")
+    if heldout.get("stopped"):
+        lines.append(f"  stopped: {heldout['stopped']}")
+    return lines
+
+
+def calibration_lines(calibration) -> list[str]:
+    """The calibration record (nbl.calibration) as a short block: model, data, selection, versions."""
+    if calibration is None:
+        return []
+    if not isinstance(calibration, dict):
+        text = calibration if isinstance(calibration, str) else json.dumps(calibration, sort_keys=True)
+        return [f"calibration:   {text}"]
+    rows = []
+    model = calibration.get("model")
+    if model is not None:
+        details = ", ".join(str(calibration[k]) for k in ("model_type", "dtype") if calibration.get(k))
+        rows.append(("model", f"{model}" + (f" ({details})" if details else "")))
+    source = calibration.get("source_gguf")
+    if isinstance(source, dict):
+        rows.append(("from", f"{source.get('file', '?')} (sha256 {_short(source.get('sha256'))})"))
+    if any(calibration.get(k) is not None for k in ("tokens", "dataset", "nsamples")):
+        tokens = calibration.get("tokens")
+        windows = (f": {calibration['nsamples']} windows of {calibration['seqlen']}"
+                   if calibration.get("nsamples") and calibration.get("seqlen") else "")
+        documents = f"{calibration['documents']} documents of " if calibration.get("documents") else ""
+        dataset = calibration.get("dataset") or "?"
+        config = f" ({calibration['dataset_config']})" if calibration.get("dataset_config") else ""
+        split = f", split {calibration['split']}" if calibration.get("split") else ""
+        rows.append(("data", (f"{tokens:,} tokens" if isinstance(tokens, int) else "? tokens") + windows
+                     + f" from {documents}{dataset}{config}{split}"))
+        if calibration.get("text_sha256"):
+            rows.append(("", f"text sha256 {_short(calibration['text_sha256'])}"))
+    if calibration.get("seed") is not None:
+        rows.append(("seed", str(calibration["seed"])))
+    selection = calibration.get("selection")
+    if isinstance(selection, dict):
+        lines = selection_lines(selection)
+        rows.append(("selection", lines[0]))
+        rows += [("", line) for line in lines[1:]]
+    versions = calibration.get("versions")
+    if isinstance(versions, dict) and versions:
+        shown = {**versions}
+        commit, patches = shown.pop("llama.cpp", None), shown.pop("llama.cpp patches", None)
+        parts = [f"{name} {shown.pop(name)}" for name in ("nbl_gguf", "gguf", "torch", "transformers") if name in shown]
+        if commit or patches:
+            parts.insert(1, f"llama.cpp {_short(commit, 7)}" + (f" + patches {_short(patches, 8)}" if patches else ""))
+        parts += [f"{name} {value}" for name, value in sorted(shown.items())]
+        lines = [parts[0]]
+        for part in parts[1:]:  # a few per line
+            if len(lines[-1]) + len(part) > 70:
+                lines.append(part)
+            else:
+                lines[-1] += ", " + part
+        rows += [("versions" if i == 0 else "", line) for i, line in enumerate(lines)]
+    known = {"model", "model_type", "dtype", "source_gguf", "tokens", "dataset", "dataset_config", "split", "nsamples",
+             "seqlen", "documents", "text_sha256", "seed", "selection", "versions"}
+    rows += [(key, json.dumps(calibration[key], sort_keys=True)) for key in sorted(set(calibration) - known)]
+    lines = [("calibration:   " if index == 0 else INDENT) + f"{label:<11s}{value}"
+             for index, (label, value) in enumerate(rows)]
+    return lines or ["calibration:   {}"]
+
+
 def format_text(info: dict, with_tensors: bool = False) -> str:
     out = []
     out.append(f"file:          {info['file']}  ({human_bytes(info['file_bytes'])})")
@@ -379,10 +489,8 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
         out.append(f"NBL:           {rep['linear'] + rep['dropped']} of {info['block_count']} attention layers replaced "
                    f"({rep['linear']} linear, {rep['dropped']} dropped)")
         out.append(f"method:        {info['method'] or '?'}    criterion: {info['criterion'] or '?'}")
-        calibration = info["calibration"]
-        if calibration is not None:
-            text = json.dumps(calibration, sort_keys=True) if not isinstance(calibration, str) else calibration
-            out.append(f"calibration:   {text}")
+        out += calibration_lines(info["calibration"])
+        out.append(f"scores:        {scores_line(info)}")
     else:
         out.append("NBL:           none (stock GGUF: every layer keeps its attention)")
     out += kv_lines(info)
@@ -392,15 +500,17 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
     width = max(len(kv_header), 16)
     slides = any(layer["sliding"] for layer in info["layers"])
     window = "window   " if slides else ""
-    out.append(f"layer  type       {window}score     {kv_header:>{width}s}  attention tensors (other tensors of the layer)")
+    with_scores = any(layer["score"] is not None for layer in info["layers"])
+    out.append(f"layer  type       {window}" + ("score     " if with_scores else "")
+               + f"{kv_header:>{width}s}  attention tensors (other tensors of the layer)")
     for layer in info["layers"]:
-        score = "" if layer["score"] is None else f"{layer['score']:.4f}"
+        score = ("-" if layer["score"] is None else f"{layer['score']:.4f}").ljust(8) + "  " if with_scores else ""
         attn = [f"{name.removesuffix('.weight')}:{kind}" for name, kind in sorted(layer["tensors"].items(), key=_display_order)
                 if _is_attention_part(name)]
         other = sorted({kind for name, kind in layer["tensors"].items() if not _is_attention_part(name)})
         cache = human_bytes(layer["kv_bytes"]) if not layer["kv_freed"] else f"freed {human_bytes(layer['kv_freed'])}"
         attends = ("sliding  " if layer["sliding"] else "global   ") if slides else ""
-        out.append(f"{layer['index']:5d}  {layer['type']:<9s}  {attends}{score:<8s}  {cache:>{width}s}  {' '.join(attn) or '-'}"
+        out.append(f"{layer['index']:5d}  {layer['type']:<9s}  {attends}{score}{cache:>{width}s}  {' '.join(attn) or '-'}"
                    f"  (+{len(layer['tensors']) - len(attn)} {'/'.join(other)})")
     out.append("")
     out.append(f"tensor types ({info['tensor_count']} tensors):")
@@ -414,14 +524,3 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
             shape = "x".join(str(n) for n in tensor["shape"])
             out.append(f"  {tensor['name']:<32s} {tensor['type']:<7s} {shape:<14s} {human_bytes(tensor['bytes'])}")
     return "\n".join(out)
-
-
-def run(args: argparse.Namespace) -> int:
-    info = describe(args.file, args.ctx_size)
-    if args.json:
-        if not args.tensors:
-            info = {k: v for k, v in info.items() if k != "tensors"}
-        print(json.dumps(info, indent=2))
-    else:
-        print(format_text(info, with_tensors=args.tensors))
-    return 0

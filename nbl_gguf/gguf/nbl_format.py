@@ -26,6 +26,7 @@ LAYER_TYPES_KEY = "{arch}.nbl.layer_types"
 METHOD_KEY = "nbl.method"
 CRITERION_KEY = "nbl.criterion"
 SCORES_KEY = "nbl.scores"
+SCORES_CRITERION_KEY = "nbl.scores_criterion"  # the local criterion of nbl.scores (best: the one it chose)
 CALIBRATION_KEY = "nbl.calibration"
 
 NBL_WEIGHT = "blk.{layer}.attn_nbl.weight"
@@ -52,6 +53,7 @@ class NblLayers:
     criterion: str | None = None
     scores: Sequence[float] | None = None
     calibration: Mapping | None = None
+    scores_criterion: str | None = None  # what ``scores`` score, when not ``criterion`` itself (best, greedy)
 
     def validate(self, n_layer: int, n_embd: int) -> None:
         if len(self.types) != n_layer:
@@ -255,6 +257,8 @@ def add_provenance(writer, layers: NblLayers) -> None:
     if layers.scores is not None:
         writer.add_key_value(SCORES_KEY, [float(v) for v in layers.scores], gguf.GGUFValueType.ARRAY,
                              sub_type=gguf.GGUFValueType.FLOAT32)
+        if layers.scores_criterion or layers.criterion:
+            writer.add_string(SCORES_CRITERION_KEY, layers.scores_criterion or layers.criterion)
     if layers.calibration is not None:
         writer.add_string(CALIBRATION_KEY, json.dumps(layers.calibration, sort_keys=True))
 
