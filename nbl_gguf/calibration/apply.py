@@ -21,17 +21,24 @@ LAYER_TYPE_NAMES = {KEEP: "keep", ATTN_LINEAR: "attn-nbl", ATTN_DROP: "attn-drop
 METHOD_LAYER_TYPE = {"attn-nbl": ATTN_LINEAR, "attn-drop": ATTN_DROP, "block-nbl": BLOCK_LINEAR}
 
 
-def _keep_positions(past_key_values, layer_idx: int, hidden_states: torch.Tensor) -> None:
-    """Record this step's length in the KV cache without storing anything.
+def _cache(past_key_values, kwargs):
+    """The KV cache a replaced module is called with: transformers 5 passes it as `cache`, earlier
+    versions as `past_key_values`."""
+    return kwargs.get("cache", past_key_values)
 
-    HF reads the sequence length from layer 0's cache; appending zero-head keys keeps that count
-    right when layer 0 is linear, at no memory cost.
+
+def _keep_positions(past_key_values, layer_idx: int, hidden_states: torch.Tensor) -> None:
+    """Record this step's length in the KV cache, storing next to nothing.
+
+    HF reads the sequence length from layer 0's cache; appending one-element keys per token keeps
+    that count right when layer 0 is replaced (transformers 5 counts an empty cache as length 0, so
+    keys without elements would not do).
     """
     if past_key_values is None or layer_idx is None:
         return
     b, s = hidden_states.shape[:2]
-    empty = hidden_states.new_zeros(b, 0, s, 1)
-    past_key_values.update(empty, empty, layer_idx)
+    placeholder = hidden_states.new_zeros(b, 1, s, 1)
+    past_key_values.update(placeholder, placeholder, layer_idx)
 
 
 class _Affine(nn.Module):
@@ -54,7 +61,7 @@ class LinearAttention(_Affine):
     """Stands in for an attention module: returns (W x + b, None) like HF attention does."""
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
-        _keep_positions(past_key_values, self.layer_idx, hidden_states)
+        _keep_positions(_cache(past_key_values, kwargs), self.layer_idx, hidden_states)
         return self.affine(hidden_states), None
 
 
@@ -66,7 +73,7 @@ class ZeroAttention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
-        _keep_positions(past_key_values, self.layer_idx, hidden_states)
+        _keep_positions(_cache(past_key_values, kwargs), self.layer_idx, hidden_states)
         return torch.zeros_like(hidden_states), None
 
 
@@ -116,6 +123,7 @@ class TapsAttention(nn.Module):
         return kept[0]
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
+        past_key_values = _cache(past_key_values, kwargs)
         x = hidden_states.float()
         past = self._past(past_key_values, x)
         _keep_positions(past_key_values, self.layer_idx, hidden_states)
@@ -149,7 +157,7 @@ class LinearBlock(_Affine):
         self.tuple_output = tuple_output
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
-        _keep_positions(past_key_values, self.layer_idx, hidden_states)
+        _keep_positions(_cache(past_key_values, kwargs), self.layer_idx, hidden_states)
         out = self.affine(hidden_states)
         return (out,) if self.tuple_output else out
 
