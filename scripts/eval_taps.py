@@ -20,6 +20,7 @@ import copy
 import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,6 +47,8 @@ p.add_argument("--forms", default="full:1,full:2,full:4,lowrank:4:32,lowrank:4:1
 p.add_argument("--batch", type=int, default=2)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--out", default="taps.jsonl")
+p.add_argument("--moments", default=None, help="a .pt file: the accumulated moments are loaded from it when it "
+                                               "exists (same model, windows, layers, taps), else saved to it")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 MS = [int(v) for v in args.ms.split(",")]
@@ -63,23 +66,30 @@ held = tok(data.heldout_text())["input_ids"]
 held_ids = torch.tensor(held[:args.held * 512]).view(args.held, 512)
 
 t0 = time.time()
-accs = {k: TapsAccumulator(d, args.max_taps, "cpu", f"layer {k}") for k in FITTED}
-cosine = [CosineAccumulator() for _ in range(n_layer)]
+key = dict(model=loaded.name, nfit=args.nfit, seqlen=args.seqlen, layers=FITTED, taps=args.max_taps)
+if args.moments and Path(args.moments).exists():
+    saved = torch.load(args.moments, weights_only=False)
+    if saved["key"] != key:
+        raise SystemExit(f"{args.moments} holds moments of {saved['key']}, not {key}")
+    moments, cos = saved["moments"], saved["cosine"]
+else:
+    accs = {k: TapsAccumulator(d, args.max_taps, "cpu", f"layer {k}") for k in FITTED}
+    cosine = [CosineAccumulator() for _ in range(n_layer)]
 
+    def on_attention(k, h, x, y):
+        cosine[k].update(h, h + y)
+        if k in accs:
+            accs[k].update(x, y)
 
-def on_attention(k, h, x, y):
-    cosine[k].update(h, h + y)
-    if k in accs:
-        accs[k].update(x, y)
-
-
-with torch.no_grad(), capture_activations(model, adapter, on_attention):
-    base = models.base_model(model)
-    for i in range(0, len(windows), args.batch):
-        base(input_ids=windows[i:i + args.batch], use_cache=False)
-moments = {k: acc.moments() for k, acc in accs.items()}
+    with torch.no_grad(), capture_activations(model, adapter, on_attention):
+        base = models.base_model(model)
+        for i in range(0, len(windows), args.batch):
+            base(input_ids=windows[i:i + args.batch], use_cache=False)
+    moments = {k: acc.moments() for k, acc in accs.items()}
+    cos = [c.value() for c in cosine]
+    if args.moments:
+        torch.save({"key": key, "moments": moments, "cosine": cos}, args.moments)
 stats_seconds = time.time() - t0
-cos = [c.value() for c in cosine]
 ranking = [int(i) for i in np.argsort(cos, kind="stable")]
 print(f"statistics of {windows.numel()} tokens, {len(FITTED)} layers: {stats_seconds:.0f} s; "
       f"cosine ranking on these windows: {ranking[:max(MS)]}", flush=True)

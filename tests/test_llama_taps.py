@@ -394,6 +394,8 @@ def test_taps_on_an_architecture_without_taps_support_is_refused(tmp_path):
 
 
 # --- llama-server: parallel slots, the prompt cache, and prompts that share only a prefix ----------
+# (no --cache-reuse: reusing a cached chunk by shifting it is as approximate for the taps state as for
+# K/V, which were computed with the dropped tokens in context, so it has no exact reference here)
 
 
 @pytest.fixture()
@@ -411,7 +413,7 @@ def taps_server(tmp_path):
     port = free_port()
     process = subprocess.Popen(
         [str(llamacpp.tool("llama-server")), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
-         "-np", "2", "-c", "512", "-ctk", "f32", "-ctv", "f32", "-t", "2", "--cache-reuse", "4"],
+         "-np", "2", "-c", "512", "-ctk", "f32", "-ctv", "f32", "-t", "2"],
         stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True, errors="replace",
     )
     try:
@@ -459,6 +461,6 @@ def test_server_parallel_slots_and_prompt_cache_with_taps_layers(taps_server):
     # so the server restores a checkpoint or re-evaluates instead of continuing from a stale state
     branch = prompts[0][:14] + [int(t) for t in rng.integers(3, model.n_vocab, size=5)]
     assert complete(port, branch)["tokens"] == want(branch)
-    # a chunk cut out of the middle (cache reuse by shifting is not offered for this memory)
-    shifted = prompts[1][:6] + prompts[1][12:]
-    assert complete(port, shifted)["tokens"] == want(shifted)
+    # and the other slot still continues its own prompt
+    longer = prompts[1] + [int(t) for t in rng.integers(3, model.n_vocab, size=3)]
+    assert complete(port, longer)["tokens"] == want(longer)
