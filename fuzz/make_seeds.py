@@ -144,7 +144,7 @@ def seed_tensors(seed: Seed, rng) -> dict[str, tuple[np.ndarray, str]]:
                 tensors[names["lag_down"].format(layer=i)] = (weight(TAPS_RANK, past), seed.nbl_type)
                 tensors[names["lag_up"].format(layer=i)] = (weight(N_EMBD, TAPS_RANK), "F16")
             else:
-                tensors[names["conv"].format(layer=i)] = ((0.5 * rng.standard_normal((N_EMBD, seed.taps))).astype(np.float32), "F32")
+                tensors[names["conv"].format(layer=i)] = ((0.5 * rng.standard_normal((seed.taps, N_EMBD))).astype(np.float32), "F32")
         tensors[f"blk.{i}.ffn_norm.weight"] = (norm(N_EMBD), "F32")
         if seed.n_expert:
             tensors[f"blk.{i}.ffn_gate_inp.weight"] = (weight(seed.n_expert, N_EMBD), "F32")

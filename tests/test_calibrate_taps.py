@@ -124,8 +124,8 @@ def test_channel_fit_recovers_per_channel_taps_and_never_loses_to_the_per_token_
     m, x = fitted(target)
     assert solve_channel(m, K).nmse < 0.1 * solve_full(fewer_taps(m, 1), 1).nmse  # the default stopping rule
     fit = solve_channel(m, K, iterations=2000, tolerance=1e-14)  # run to convergence: the exact map
-    assert fit.form == "channel" and fit.conv.shape == (D, K)
-    np.testing.assert_allclose(fit.conv, c[::-1].T, atol=1e-4)
+    assert fit.form == "channel" and fit.conv.shape == (K, D)
+    np.testing.assert_allclose(fit.conv, c[::-1], atol=1e-4)
     np.testing.assert_allclose(fit.weight, w, atol=1e-4)
     np.testing.assert_allclose(fit.apply(x[1].numpy()), target(x[1:2])[0].numpy(), atol=1e-3)
     noisy, _ = fitted(lambda x: target(x) + torch.randn(x.shape, dtype=torch.float64), seed=2)

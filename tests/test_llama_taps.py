@@ -257,7 +257,7 @@ def test_taps_layers_keep_no_kv_cache(tmp_path):
 @pytest.mark.parametrize("form", FORMS)
 def test_quantized_taps_file_runs(tmp_path, form):
     # rows of 256 let every quantized type apply; the lag maps are quantized like W, the per-channel
-    # taps stay F32 (patch 0015), the low-rank map's rows of r = 32 take a type whose blocks fit
+    # taps stay F32 (patch 0015), the low-rank up map's rows of r = 32 fit Q8_0 blocks
     model = TinyLlama(n_layer=3, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=5)
     types = [A, T, D]
     maps = model.random_taps([1], TAPS, form, rank=32)
@@ -344,9 +344,9 @@ def malformed_cases(model):
         "full-and-low-rank": (dict(extra_kv=taps3, skip_tensors=skip,
                                    extra_tensors=taps_tensors(model, 1, lag_down=(4, 2 * d), lag_up=(d, 4))),
                               r"layer 1 carries 'blk.1.attn_nbl_lag.weight' and a low-rank lag map"),
-        "misshaped-conv": (dict(extra_kv=taps3, skip_tensors=skip, extra_tensors=taps_tensors(model, 1, conv=(d, 2))),
+        "misshaped-conv": (dict(extra_kv=taps3, skip_tensors=skip, extra_tensors=taps_tensors(model, 1, conv=(2, d))),
                            r"tensor 'blk.1.attn_nbl_conv.weight' has wrong shape"),
-        "f16-conv": (dict(extra_kv=taps3, skip_tensors=skip, extra_tensors=taps_tensors(model, 1, conv16=(d, 3))),
+        "f16-conv": (dict(extra_kv=taps3, skip_tensors=skip, extra_tensors=taps_tensors(model, 1, conv16=(3, d))),
                      r"tensor 'blk.1.attn_nbl_conv.weight' has type f16, expected f32"),
         "taps-tensor-on-a-linear-layer": (dict(extra_kv={KEY: ([A, L, A], *I32)}, skip_tensors=skip,
                                                extra_tensors=taps_tensors(model, 1)),

@@ -43,7 +43,7 @@ def test_writer_stores_each_form_in_the_documented_layout(tmp_path, stock):
     assert list(tensors["blk.0.attn_nbl_lag.weight"].shape) == [2 * d, d]
     assert list(tensors["blk.2.attn_nbl_lag_down.weight"].shape) == [2 * d, 8]
     assert list(tensors["blk.2.attn_nbl_lag_up.weight"].shape) == [8, d]
-    assert list(tensors["blk.3.attn_nbl_conv.weight"].shape) == [3, d]
+    assert list(tensors["blk.3.attn_nbl_conv.weight"].shape) == [d, 3]
     assert not any(name.startswith(("blk.0.attn_q", "blk.2.attn_k", "blk.3.attn_output")) for name in tensors)
     # the values, read back in numpy order, are the map's
     np.testing.assert_array_equal(tensors["blk.0.attn_nbl_lag.weight"].data, maps[0].lag)

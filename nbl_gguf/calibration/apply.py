@@ -138,7 +138,7 @@ class TapsAttention(nn.Module):
         b, s, d = x.shape
         k = self.taps
         windows = torch.cat([past, x], 1).unfold(1, k, 1)  # [b, s, d, K], oldest first
-        u = (windows * self.conv).sum(-1) if self.conv is not None else x
+        u = (windows * self.conv.T).sum(-1) if self.conv is not None else x
         y = torch.nn.functional.linear(u, self.weight, self.bias)
         if self.lag is not None or self.lag_down is not None:
             lags = windows[..., :k - 1].transpose(-1, -2).reshape(b, s, (k - 1) * d)  # oldest first

@@ -24,7 +24,7 @@ Forms (bytes per layer: `TapsMap.params()`):
 
 Tensor layout (the GGUF's, docs/gguf-format.md): lag inputs are ordered oldest first,
 z_lags = [x_(t-K+1); ...; x_(t-1)], which is how llama.cpp lays out the state and the window of
-each token; the per-channel weights `conv` are [d, K], oldest first, conv[:, -1] = c_0 = 1.
+each token; the per-channel weights `conv` are [K, d], one row per token, oldest first, conv[-1] = c_0 = 1.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class TapsMap:
     """One layer's map, as the GGUF stores it (float64 numpy; see the module doc for the layout).
 
     y_t = weight @ u_t + bias (+ lag @ z_lags | + lag_up @ (lag_down @ z_lags)), where u_t = x_t, or
-    sum_j conv[:, K-1-j] * x_(t-j) when conv is given, and z_lags = [x_(t-K+1); ...; x_(t-1)].
+    sum_j conv[K-1-j] * x_(t-j) when conv is given, and z_lags = [x_(t-K+1); ...; x_(t-1)].
     """
 
     taps: int
@@ -161,7 +161,7 @@ class TapsMap:
     lag: np.ndarray | None = None  # [d, (K-1) d]
     lag_down: np.ndarray | None = None  # [r, (K-1) d]
     lag_up: np.ndarray | None = None  # [d, r]
-    conv: np.ndarray | None = None  # [d, K], oldest first; conv[:, -1] = 1
+    conv: np.ndarray | None = None  # [K, d], oldest first; conv[-1] = 1
     nmse: float = float("nan")  # exact E||y - yhat||^2 / Tr(C_yy) on the calibration moments
 
     @property
@@ -189,7 +189,7 @@ class TapsMap:
         blocks = [None] * k
         if self.conv is not None:
             for j in range(k):
-                blocks[j] = self.weight * self.conv[:, k - 1 - j][None, :]
+                blocks[j] = self.weight * self.conv[k - 1 - j][None, :]
         else:
             blocks[0] = self.weight.copy()
             lag = self.lag if self.lag is not None else (self.lag_up @ self.lag_down if self.lag_down is not None else None)
@@ -333,7 +333,7 @@ def solve_channel(m: Moments, taps: int, iterations: int = CHANNEL_ITERATIONS,
         previous, error = error, _nmse(m, stacked)
         if previous - error <= tolerance * max(previous, 1e-300):
             break
-    conv = c.flip(0).T.contiguous()  # [d, K], oldest first
+    conv = c.flip(0).contiguous()  # [K, d], oldest first
     return _finish(m, taps, stacked, weight=weight, conv=conv)
 
 

@@ -38,7 +38,7 @@ TAPS_TENSORS = {
     "lag": "blk.{layer}.attn_nbl_lag.weight",  # [d, (K-1) d] on the K-1 earlier inputs, oldest first
     "lag_down": "blk.{layer}.attn_nbl_lag_down.weight",  # [r, (K-1) d]
     "lag_up": "blk.{layer}.attn_nbl_lag_up.weight",  # [d, r]
-    "conv": "blk.{layer}.attn_nbl_conv.weight",  # [d, K] per-channel weights, oldest first (F32)
+    "conv": "blk.{layer}.attn_nbl_conv.weight",  # [K, d] per-channel weights, a row per token, oldest first (F32)
 }
 # the tensors a replaced layer must not carry (weights, optional biases, per-head Q/K norms, and the
 # norm on the attention output before the residual add, which the NBL map stands in for)
@@ -108,7 +108,7 @@ def validate_taps_map(layer: int, taps_map, n_embd: int) -> None:
     present = {name: np.asarray(t) for name, t in tensors.items() if t is not None}
     rank = present["lag_down"].shape[0] if "lag_down" in present and present["lag_down"].ndim == 2 else None
     expected = {"weight": (n_embd, n_embd), "bias": (n_embd,), "lag": (n_embd, (k - 1) * n_embd),
-                "lag_down": (rank, (k - 1) * n_embd), "lag_up": (n_embd, rank), "conv": (n_embd, k)}
+                "lag_down": (rank, (k - 1) * n_embd), "lag_up": (n_embd, rank), "conv": (k, n_embd)}
     for name in ("weight", "bias"):
         if name not in present:
             raise NblError(f"layer {layer}: the taps map has no {name}")
@@ -293,7 +293,7 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
 
 def taps_tensors(layer: int, taps_map, qtype) -> list:
     """A taps layer's lag maps in W's type (a fallback where their rows do not fit its blocks) and its
-    per-channel weights in F32 (llama.cpp's ggml_ssm_conv reads them so)."""
+    per-channel weights in F32 (llama.cpp multiplies the activations by them, ggml_mul takes F32)."""
     import gguf
 
     out = []
