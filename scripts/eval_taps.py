@@ -47,6 +47,8 @@ p.add_argument("--forms", default="full:1,full:2,full:4,lowrank:4:32,lowrank:4:1
 p.add_argument("--batch", type=int, default=2)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--out", default="taps.jsonl")
+p.add_argument("--save-maps", default=None, help="a folder: each form's fitted maps are saved there "
+                                                 "(FORM.npz: blk.N.<tensor> arrays, as TapsMap.tensors(), and taps)")
 p.add_argument("--moments", default=None, help="a .pt file: the accumulated moments are loaded from it when it "
                                                "exists (same model, windows, layers, taps), else saved to it")
 args = p.parse_args()
@@ -122,6 +124,10 @@ for spec in args.forms.split(","):
     t = time.time()
     maps = {k: solve(fewer_taps(moments[k], taps), taps, form, rank) for k in FITTED}
     solve_seconds = time.time() - t
+    if args.save_maps:
+        Path(args.save_maps).mkdir(parents=True, exist_ok=True)
+        np.savez(Path(args.save_maps) / f"{spec.replace(':', '-')}.npz", taps=taps,
+                 **{f"blk.{k}.{name}": array for k, m in maps.items() for name, array in m.tensors().items()})
     for m in MS:
         chosen = ORDER[:m]
         mdl = apply_nbl(copy.deepcopy(model), {k: ATTN_TAPS for k in chosen}, {k: maps[k] for k in chosen})
