@@ -49,6 +49,7 @@ p.add_argument("--threads", type=int, default=2)
 p.add_argument("--out", default="taps.jsonl")
 p.add_argument("--save-maps", default=None, help="a folder: each form's fitted maps are saved there "
                                                  "(FORM.npz: blk.N.<tensor> arrays, as TapsMap.tensors(), and taps)")
+p.add_argument("--save-only", default="", help="forms (as --forms) whose maps are only fitted and saved (--save-maps)")
 p.add_argument("--moments", default=None, help="a .pt file: the accumulated moments are loaded from it when it "
                                                "exists (same model, windows, layers, taps), else saved to it")
 args = p.parse_args()
@@ -117,7 +118,7 @@ def nll(mdl):
 base_nll, base_first = nll(model)
 print(f"unmodified: held-out ppl {math.exp(base_nll):.3f}", flush=True)
 out = open(args.out, "a")
-for spec in args.forms.split(","):
+for spec in [f for f in args.save_only.split(",") if f] + args.forms.split(","):
     parts = spec.split(":")
     form, taps = parts[0], int(parts[1])
     rank = int(parts[2]) if len(parts) > 2 else None
@@ -128,6 +129,8 @@ for spec in args.forms.split(","):
         Path(args.save_maps).mkdir(parents=True, exist_ok=True)
         np.savez(Path(args.save_maps) / f"{spec.replace(':', '-')}.npz", taps=taps,
                  **{f"blk.{k}.{name}": array for k, m in maps.items() for name, array in m.tensors().items()})
+    if spec in args.save_only.split(","):
+        continue
     for m in MS:
         chosen = ORDER[:m]
         mdl = apply_nbl(copy.deepcopy(model), {k: ATTN_TAPS for k in chosen}, {k: maps[k] for k in chosen})
