@@ -1,4 +1,4 @@
-"""Thin command-line front end: each sub-command lives in its own pipeline module.
+"""Thin command-line front end: each sub-command is a module of nbl_gguf.commands.
 
 A module registered here exposes ``add_arguments(parser)`` and ``run(args) -> int``. Modules are
 imported only when their command runs, so ``inspect`` does not pay for importing torch.
@@ -15,11 +15,11 @@ import threading
 from nbl_gguf.errors import NblError
 
 COMMANDS = {
-    "calibrate": ("nbl_gguf.calibration.calibrate", "collect statistics, solve NBL weights, score and select layers"),
-    "convert": ("nbl_gguf.gguf.convert", "HF model -> NBL GGUF (calibrate, convert, rewrite, quantize)"),
-    "inspect": ("nbl_gguf.gguf.inspect", "show the NBL layer map, scores and tensors of a GGUF"),
-    "bench": ("nbl_gguf.measurement.bench", "speed and memory of NBL GGUFs against stock with llama-bench"),
-    "eval": ("nbl_gguf.measurement.eval", "perplexity and multiple-choice accuracy with llama-perplexity"),
+    "calibrate": ("nbl_gguf.commands.calibrate", "collect statistics, solve NBL weights, score and select layers"),
+    "convert": ("nbl_gguf.commands.convert", "HF model or GGUF -> NBL GGUF (calibrate, convert, rewrite, quantize)"),
+    "inspect": ("nbl_gguf.commands.inspect", "show the NBL layer map, scores and tensors of a GGUF"),
+    "bench": ("nbl_gguf.commands.bench", "speed and memory of NBL GGUFs against stock with llama-bench"),
+    "eval": ("nbl_gguf.commands.eval", "perplexity and multiple-choice accuracy with llama-perplexity"),
 }
 
 

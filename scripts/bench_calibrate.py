@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nbl_gguf import models  # noqa: E402
 from nbl_gguf.calibration import dataset
-from nbl_gguf.calibration.calibrate import collect_statistics, solve_all  # noqa: E402
+from nbl_gguf.calibration.calibrate import collect_statistics  # noqa: E402
+from nbl_gguf.calibration.solve import solve_layer  # noqa: E402
 from nbl_gguf.calibration.capture import capture_activations  # noqa: E402
 
 # The real Llama-3.1-8B architecture (config.json of meta-llama/Llama-3.1-8B), weights left random.
@@ -166,7 +167,7 @@ def main() -> int:
     with PeakMemory(device) as fwd:
         attn, block, _, _ = collect_statistics(model, adapter, input_ids, args.batch_size, device, stats_device)
     with PeakMemory(device) as sol:
-        fits = solve_all(attn, block)
+        records = [solve_layer(i, a, block[i] if block else None, 0.0, 0.0 if block else None) for i, a in enumerate(attn)]
     rows.append(("ours", fwd, sol))
 
     diff = {}
@@ -179,10 +180,11 @@ def main() -> int:
         del xs, ys
         # Relative to each layer's ||W||: the two solutions differ only by float64 round-off and conditioning.
         diff = {
-            "max_rel_weight_diff": max(float((f[0].weight - r[0]).norm() / r[0].norm()) for f, r in zip(fits, ref)),
-            "max_abs_nmse_diff": max(abs(f[0].nmse - r[2]) for f, r in zip(fits, ref)),
-            "max_rel_cca_diff": max(abs(f[0].cca_bound - r[3]) / max(r[3], 1e-12) for f, r in zip(fits, ref)),
-            "same_cca_ranking": [i for i, _ in sorted(enumerate(fits), key=lambda t: t[1][0].cca_bound)]
+            "max_rel_weight_diff": max(float((torch.from_numpy(t[f"attn.{i}.weight"]).double() - r[0]).norm() / r[0].norm())
+                                       for i, ((_, t), r) in enumerate(zip(records, ref))),
+            "max_abs_nmse_diff": max(abs(e["attn"]["nmse"] - r[2]) for (e, _), r in zip(records, ref)),
+            "max_rel_cca_diff": max(abs(e["attn"]["cca"] - r[3]) / max(r[3], 1e-12) for (e, _), r in zip(records, ref)),
+            "same_cca_ranking": [i for i, _ in sorted(enumerate(records), key=lambda t: t[1][0]["attn"]["cca"])]
             == [i for i, _ in sorted(enumerate(ref), key=lambda t: t[1][3])],
         }
 

@@ -101,7 +101,7 @@ stage_8b() {
 
 stage_hf() {
     bench --shape llama-3.1-8b --m 12 --quant q4_k_m --backends cuda -d 0 -p 512 -n 128 --rounds 2 -r 2 \
-        --hf-compare --hf-device cuda --hf-dtype bf16 -o "$results/llama-3.1-8b-hf-compare"
+        --hf-compare --device cuda --dtype bf16 -o "$results/llama-3.1-8b-hf-compare"
 }
 
 stage_1b() {

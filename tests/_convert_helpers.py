@@ -10,7 +10,7 @@ def convert_args(**overrides) -> argparse.Namespace:
     """`convert`'s defaults as its parser gives them, no progress bars, a tiny CPU calibration (8 windows
     of 64 tokens), the cca selection (the tests compare against artifact.layer_types(m, "cca")) and no
     held-out perplexity unless overridden."""
-    from nbl_gguf.gguf import convert
+    from nbl_gguf.commands import convert
 
     parser = argparse.ArgumentParser()
     convert.add_arguments(parser)
@@ -21,6 +21,14 @@ def convert_args(**overrides) -> argparse.Namespace:
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
+
+
+def calibrate_for_convert(directory: Path, model, args: argparse.Namespace) -> Path:
+    """The calibration that `convert` with ``args`` runs, into ``directory``; returns it."""
+    from nbl_gguf.calibration.calibrate import calibrate
+    from nbl_gguf.commands.convert import calibration_settings
+
+    return calibrate(calibration_settings(args, directory, model))
 
 
 def save_tiny_llama(path: Path, n_layer: int = 4, seed: int = 0) -> Path:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nbl_gguf.measurement import bench, bench_report, llama_bench, roofline, speedup
+from nbl_gguf.commands import bench
+from nbl_gguf.measurement import bench_report, llama_bench, roofline, speedup
+from nbl_gguf.measurement.bench import Candidate
 from nbl_gguf.cli import main
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf.nbl_format import ATTENTION as A, DROPPED as D, LINEAR as L
@@ -145,7 +148,7 @@ def test_speedup_table_ratios_and_efficiency(tiny):
 
 
 def test_schedule_interleaves_and_alternates():
-    models = [bench.Candidate("stock", None), bench.Candidate("a", None), bench.Candidate("b", None)]
+    models = [Candidate("stock", None), Candidate("a", None), Candidate("b", None)]
     plan = [(r, d, c.label) for r, d, c in llama_bench.schedule(models, [0, 512], rounds=2)]
     assert plan[:3] == [(0, 0, "stock"), (0, 0, "a"), (0, 0, "b")]
     assert plan[6:9] == [(1, 0, "b"), (1, 0, "a"), (1, 0, "stock")]
@@ -272,3 +275,90 @@ def test_kv_log_of_plain_and_sliding_window_contexts():
     caches = kv_caches(log)
     assert [(c.cells, c.layers, c.mib) for c in caches] == [(4096, 4, 4.0), (4096, 4, 1.5), (2048, 4, 2.0)]
     assert [row["kv_layers"] for row in llama_bench.parse_kv_log(log)] == [4, 4, 4]
+
+
+# --- a GGUF --model: the file itself against convert's surgery on it ----------------------------
+
+def test_bench_makes_the_largest_m_first_then_reuses_its_calibration(tmp_path, monkeypatch):
+    """best's measured choice goes to the m it was calibrated for: the first convert (which calibrates)
+    takes the largest m, the others reuse its calibration; files already made are not made again."""
+    from types import SimpleNamespace
+
+    from nbl_gguf.commands import convert
+
+    calls = []
+
+    def fake_convert(args):
+        calls.append((args.m, args.calibration, args.save_calibration, args.quant))
+        Path(args.save_calibration or args.calibration).mkdir(exist_ok=True)
+        Path(args.output).write_bytes(b"GGUF")
+        return SimpleNamespace(table=lambda: "")
+
+    monkeypatch.setattr(convert, "convert", fake_convert)
+    args = _args(m=[4, 12, 8])
+    nbl, commands = bench.nbl_by_convert(args, "model.gguf", tmp_path, "", [], log=lambda _: None)
+    calibration = str(tmp_path / "calibration")
+    assert calls == [(12, None, calibration, None), (8, calibration, None, None), (4, calibration, None, None)]
+    assert [(c.label, c.path.name) for c in nbl] == [("nbl-m4", "nbl-m4.gguf"), ("nbl-m12", "nbl-m12.gguf"),
+                                                     ("nbl-m8", "nbl-m8.gguf")]
+    assert [" --m 12 " in commands[0], " --m 8 " in commands[1], " --m 4 " in commands[2]] == [True] * 3
+    calls.clear()
+    bench.nbl_by_convert(args, "model.gguf", tmp_path, "", [], log=lambda _: None)
+    assert calls == []
+
+
+def test_gguf_model_takes_no_quant(tiny):
+    with pytest.raises(NblError, match="--quant q8_0 means nothing for a GGUF --model: the stock side is stock.gguf"):
+        bench.apply_presets(_args(model=str(tiny["stock"]), quant="q8_0"))
+    args = _args(model=str(tiny["stock"]), m=[1])
+    bench.apply_presets(args)  # the default quant is no error
+    with pytest.raises(NblError, match="--m 3 is out of range: stock.gguf has 3 layers"):
+        bench.resolve_models(_args(model=str(tiny["stock"]), m=[3], calibration=str(tiny["root"])))
+    with pytest.raises(NblError, match="already an NBL GGUF"):
+        bench.resolve_models(_args(model=str(tiny["nbl"]), m=[1], calibration=str(tiny["root"])))
+
+
+@pytest.mark.llama
+def test_bench_on_a_gguf_model_measures_the_file_and_its_surgery(tmp_path, monkeypatch, capsys):
+    """bench --model FILE.gguf: the file as given against `convert --model FILE.gguf` per m (one
+    calibration on the model transformers dequantizes from it, made at the largest m)."""
+    pytest.importorskip("torch")
+    import gguf
+
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf.nbl_format import is_attention_tensor
+    from nbl_gguf.model_source import file_sha256
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))  # the dequantized checkpoint
+    source = TinyLlama(n_layer=4, n_ctx_train=512).write_gguf(tmp_path / "tiny.gguf")
+    out, work = tmp_path / "results", tmp_path / "work"
+    assert main(["bench", "--model", str(source), "--m", "1,2", "--calib-nsamples", "8", "--calib-seqlen", "64",
+                 "-p", "16", "-n", "4", "-d", "0", "-r", "1", "--rounds", "1", "-t", "1", "--no-plot",
+                 "--work-dir", str(work), "-o", str(out)]) == 0
+    assert "NBL vs stock llama.cpp: tiny F32" in capsys.readouterr().out
+    result = json.loads((out / "results.json").read_text())
+    models = {m["label"]: m for m in result["models"]}
+    assert list(models) == ["stock", "nbl-m1", "nbl-m2"]
+    # the stock side is the user's file as given
+    assert models["stock"]["path"] == str(source) and models["stock"]["bytes"] == source.stat().st_size
+    assert {m["file_type"] for m in models.values()} == {"F32"}
+    artifact = load_artifact(work / "models" / "gguf" / file_sha256(source)[:16] / "tiny" / "calibration")
+    assert artifact.report["selection"]["m"] == 2 and artifact.report["selection"]["criterion"] == "best"
+    stock = {t.name: t for t in gguf.GGUFReader(source).tensors}
+    for m in (1, 2):
+        replaced = artifact.select(m, "best", "attn-nbl")
+        assert models[f"nbl-m{m}"]["replaced_layers"] == sorted(replaced)
+        # convert's surgery: every tensor but the replaced attention keeps the input's bytes and type
+        nbl = {t.name: t for t in gguf.GGUFReader(models[f"nbl-m{m}"]["path"]).tensors}
+        dropped = {name for name in stock if any(is_attention_tensor(name, layer) for layer in replaced)}
+        assert set(nbl) - set(stock) == {f"blk.{i}.attn_nbl.{p}" for i in replaced for p in ("weight", "bias")}
+        assert dropped and set(stock) - set(nbl) == dropped
+        for name in set(stock) - dropped:
+            assert nbl[name].tensor_type == stock[name].tensor_type
+            assert nbl[name].data.tobytes() == stock[name].data.tobytes(), name
+    assert {(r["model"], r["test"], r["depth"]) for r in result["speedups"]} == {
+        (f"nbl-m{m}", t, 0) for m in (1, 2) for t in ("pp", "tg")}
+    # llama.cpp's own KV cache: 3 and 2 of the 4 attention layers left
+    kv = {r["model"]: r for r in result["kv_cache"]}
+    assert kv["nbl-m1"]["vs_stock"] == pytest.approx(3 / 4) and kv["nbl-m2"]["vs_stock"] == pytest.approx(2 / 4)
+    assert result["made_by"][0].startswith(str(source))

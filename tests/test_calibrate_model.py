@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
-from nbl_gguf.calibration import calibrate
+from nbl_gguf.commands import calibrate
 from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, BLOCK_LINEAR, KEEP, apply_nbl
 from nbl_gguf.calibration.artifact import load_artifact
 from nbl_gguf.calibration.capture import capture_activations
@@ -136,7 +136,8 @@ def run_calibrate(*argv):
     (the default, best, measures the model on held-out windows: tests/test_calibrate_select.py)."""
     parser = argparse.ArgumentParser()
     calibrate.add_arguments(parser)
-    return calibrate.run(parser.parse_args(["--criterion", "cosine"] + [str(a) for a in argv]))
+    # fp32: the maps are checked against numpy's least squares on fp32 activations
+    return calibrate.run(parser.parse_args(["--criterion", "cosine", "--dtype", "fp32"] + [str(a) for a in argv]))
 
 
 def test_calibrate_end_to_end_artifact(tiny_checkpoint):
@@ -151,7 +152,9 @@ def test_calibrate_end_to_end_artifact(tiny_checkpoint):
     assert len(report["data"]["sha256"]) == 64
     assert report["selection"] == {"method": "attn-nbl", "criterion": "cosine", "m": 1,
                                    "layers": art.select()}
-    assert set(report["timings_s"]) >= {"load_model", "load_data", "forward_and_statistics", "solve"}
+    assert set(report["timings_s"]) >= {"load_model", "load_data", "layers"}  # streamed: per layer
+    assert set(report["resources"]["layers"]) >= {"wall_s", "peak_rss_bytes"}
+    assert report["statistics"]["streamed"] and len(report["statistics"]["stream"]["per_layer_s"]) == 3
     for target in ("attn", "block"):
         for criterion in ("cca", "nmse", "cosine"):
             assert np.isfinite(art.scores(criterion, target)).all()
@@ -291,3 +294,39 @@ def test_other_families_capture_and_apply(family):
     _, x, y = records["attn"][0][0]
     w, b = (torch.from_numpy(a) for a in random_linear(32, 5))
     torch.testing.assert_close(y, x @ w.T + b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, auto_bf16, expected", [
+    (["avx512_bf16"], True, torch.bfloat16),
+    (["amx_bf16", "avx512_bf16"], True, torch.bfloat16),
+    ([], True, torch.float32),
+    (["avx512_bf16"], False, torch.float32),
+])
+def test_auto_dtype_on_a_cpu_follows_its_bf16_flags_and_says_which(monkeypatch, flags, auto_bf16, expected):
+    """--dtype auto on a CPU: bf16 only where the CPU has a fast bf16 path (and the default says so);
+    the log names the flags found, or their absence. On CUDA: bf16; an explicit dtype is kept."""
+    from nbl_gguf import models
+
+    monkeypatch.setattr(models, "cpu_bf16_flags", lambda: flags)
+    monkeypatch.setattr(models, "CPU_AUTO_BF16", auto_bf16)
+    lines = []
+    assert models.resolve_dtype("auto", "cpu", lines.append) == expected
+    assert models.resolve_dtype(None, "cpu") == expected
+    name = "bf16" if expected == torch.bfloat16 else "fp32"
+    assert lines == [f"calibration: {name} compute on the CPU (its bf16 matmuls: "
+                     + (f"fast, {', '.join(flags)}" if flags else "no AMX/AVX512-BF16 flag, slow") + "; --dtype chooses)"]
+    assert models.resolve_dtype("auto", "cuda:0") == torch.bfloat16
+    assert models.resolve_dtype("fp32", "cpu") == torch.float32
+    assert models.resolve_dtype("bf16", "cpu") == torch.bfloat16
+
+
+def test_cpu_bf16_flags_are_read_from_cpuinfo(monkeypatch, tmp_path):
+    from nbl_gguf import models
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile\n")
+    real_path = models.Path
+    monkeypatch.setattr(models, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    assert models.cpu_bf16_flags() == ["avx512_bf16"]
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+    assert models.cpu_bf16_flags() == []

@@ -13,13 +13,13 @@ import torch
 import transformers
 
 from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
-from nbl_gguf.calibration import calibrate
+from nbl_gguf.commands import calibrate
 from nbl_gguf.calibration import select as selection
 from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, apply_nbl
 from nbl_gguf.calibration.artifact import load_artifact
-from nbl_gguf.calibration.calibrate import collect_statistics, solve_all
+from nbl_gguf.calibration.calibrate import collect_statistics
 from nbl_gguf.calibration.layerwise import LayerRunner
-from nbl_gguf.calibration.solve import ranking
+from nbl_gguf.calibration.solve import ranking, solve_layer
 from nbl_gguf.errors import NblError
 from nbl_gguf.models import decoder_layers, get_adapter
 
@@ -99,9 +99,10 @@ def test_trials_equal_the_replaced_model_and_leave_the_model_as_it_was(family):
     evaluator = selection.NestedEvaluator(model, ids, ATTN_LINEAR, maps, min_tokens=0)
     assert evaluator.trial(2) == pytest.approx(reference_loss(apply_nbl(copy.deepcopy(model), {2: 1}, maps), ids), rel=1e-5)
     assert {name: module for name, module in model.named_modules()} == before
-    evaluator.add(1)
     both = apply_nbl(copy.deepcopy(family_model(family)), {1: 1, 3: 1}, maps)
-    assert evaluator.trial(3) == pytest.approx(reference_loss(both, ids), rel=1e-5)
+    assert evaluator.trial(1, 3) == pytest.approx(reference_loss(both, ids), rel=1e-5)
+    assert evaluator.losses([[3, 1], [2], []]) == [evaluator.trial(1, 3), evaluator.trial(2), evaluator.base_loss]
+    assert {name: module for name, module in model.named_modules()} == before
 
 
 # --- a model whose best layers are known by construction ----------------------------------------------
@@ -144,10 +145,10 @@ def continuations(model, count, length, seed):
 
 def fitted_maps(model, ids):
     attn, _, cosine, _ = collect_statistics(model, get_adapter(model), ids, 4, "cpu", "cpu", progress=False,
-                                            targets=("attn",))
-    fits = [fa for fa, _ in solve_all(attn, [], progress=False)]
-    maps = {i: (f.weight.float().numpy(), f.bias.float().numpy()) for i, f in enumerate(fits)}
-    return maps, cosine, [f.nmse for f in fits]
+                                            targets=("attn",), partial=torch.float64)
+    records = [solve_layer(i, acc, None, cosine[i], None) for i, acc in enumerate(attn)]
+    maps = {i: (tensors[f"attn.{i}.weight"], tensors[f"attn.{i}.bias"]) for i, (_, tensors) in enumerate(records)}
+    return maps, cosine, [entry["attn"]["nmse"] for entry, _ in records]
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,14 @@ The tiny model carries the embedded SmolLM2 tokenizer, which the pinned converte
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from _convert_helpers import convert_args, save_tiny_llama
+from _convert_helpers import calibrate_for_convert, convert_args, save_tiny_llama
 from nbl_gguf import cli
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
@@ -34,10 +35,9 @@ def tiny_hf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_artifact(tiny_hf, tmp_path_factory) -> Path:
-    from nbl_gguf.gguf.convert import calibrate_into
 
     out = tmp_path_factory.mktemp("calib") / "artifact"
-    return calibrate_into(out, tiny_hf, convert_args(model=str(tiny_hf), m=2))
+    return calibrate_for_convert(out, tiny_hf, convert_args(model=str(tiny_hf), m=2))
 
 
 def listing(directory: Path) -> set[str]:
@@ -134,7 +134,7 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
     """Calibrate + convert + rewrite + imatrix + q4_k_m, twice: byte-identical, no leftovers."""
     import gguf
 
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     outputs = []
     for run in ("a", "b"):
@@ -147,10 +147,30 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
     assert outputs[0].read_bytes() == outputs[1].read_bytes()
 
     assert summary.n_layer == N_LAYER and len(summary.replaced) == 2
-    assert summary.kv_nbl * 2 == summary.kv_stock == N_LAYER * 2 * 2 * 16 * 2
+    # at 4096 (the summary's context; the tiny model's training context is shorter): every layer caches
+    # 4096 cells of 2 KV heads x 16 dims, K and V, F16
+    stock, nbl = summary.kv[4096]
+    assert list(summary.kv) == [4096]
+    assert nbl.bytes * 2 == stock.bytes == N_LAYER * 4096 * 2 * 2 * 16 * 2
     assert summary.stock_bytes > summary.nbl_bytes > 0
     table = summary.table()
-    assert "KV cache bytes/token" in table and "-50.0%" in table
+    assert "KV cache at 4,096 tokens (F16) 2.00 MiB 1.00 MiB -50.0%" in [" ".join(row.split()) for row in table.splitlines()]
+
+    # every stage's time and peak memory, the calibration's own stages in it, the tools' peaks apart
+    from nbl_gguf.commands.convert_summary import resources_table
+
+    stages = summary.resources
+    assert list(stages)[:2] == ["calibrate", "calibrate: load_model"] and "calibrate: layers" in stages
+    assert {"stock conversion", "NBL rewrite", "imatrix", "quantize stock", "quantize NBL"} <= set(stages)
+    assert all(r["wall_s"] >= 0 and r["peak_rss_bytes"] > 50 << 20 for r in stages.values())
+    assert stages["calibrate: layers"]["wall_s"] > 0 and stages["quantize NBL"]["wall_s"] > 0
+    assert stages["calibrate"]["peak_rss_bytes"] >= stages["calibrate: layers"]["peak_rss_bytes"]
+    assert stages["calibrate"]["wall_s"] >= stages["calibrate: layers"]["wall_s"]
+    assert set(stages["quantize NBL"]["tools_peak_rss_bytes"]) == {"llama-quantize"}
+    assert set(stages["stock conversion"]["tools_peak_rss_bytes"]) == {"convert_hf_to_gguf.py"}
+    assert stages["imatrix"]["tools_peak_rss_bytes"]["llama-imatrix"] > 1 << 20
+    rendered = resources_table(stages)
+    assert all(name in rendered for name in stages)
 
     reader = gguf.GGUFReader(outputs[0])
     types = nbl_format.read_layer_types(reader)
@@ -194,7 +214,11 @@ def test_convert_reuses_calibration_attn_drop_f16(tiny_hf, tiny_artifact, tmp_pa
     assert "1 of 4 attention layers replaced (0 linear, 1 dropped)" in text
     assert "method:        attn-drop    criterion: nmse" in text
     assert f"{dropped[0]:5d}  dropped" in text
-    assert "KV cache:      384 bytes/token (F16)  vs stock 512  (75.0%)" in text
+    # the tiny model's training context, 256 tokens: 256 cells of 2 KV heads x 16 dims, K and V, F16, per layer
+    assert "KV cache:      96.00 KiB at 256 tokens (training context) vs stock 128.00 KiB (-25.0%)" in text
+    assert "384 bytes per token vs stock 512" in text
+    # the dropped layer's row: its score, then the 256 cells x 128 bytes its cache would hold
+    assert re.search(rf"^ +{dropped[0]}  dropped +[\d.]+ +freed 32\.00 KiB  -", text, re.M)
     assert cli.main(["inspect", "--json", str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["replaced"] == {"linear": 0, "dropped": 1, "taps": 0}
@@ -222,6 +246,31 @@ def test_convert_records_the_default_criterion_and_the_auto_choice(tiny_hf, tmp_
     assert [i for i, t in enumerate(nbl_format.read_layer_types(reader)) if t] == [int(np.argmin(artifact.scores(best)))]
     provenance = json.loads(reader.fields[nbl_format.CALIBRATION_KEY].contents())
     assert provenance["selection"]["heldout"]["compared"][best]["layers"] == artifact.select()
+    # the scores recorded are those of the criterion best chose, and the file says which
+    assert reader.fields[nbl_format.SCORES_CRITERION_KEY].contents() == best
+    np.testing.assert_allclose(list(reader.fields[nbl_format.SCORES_KEY].contents()), artifact.scores(best), rtol=1e-6)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"scores:        {best} (the criterion that best chose)" in text
+    for layer, score in enumerate(artifact.scores(best)):
+        assert f"\n{layer:5d}  {'linear' if layer in artifact.select() else 'attention':<9s}  {score:<8.4f}  " in text
+    heldout = artifact.report["selection"]["heldout"]
+    for criterion, compared in heldout["compared"].items():
+        layers = ", ".join(map(str, compared["layers"]))
+        assert f"{criterion:<6s}  {compared['ppl_increase_pct']:+7.1f}%  layers {layers}" in text
+    assert f"layers {', '.join(map(str, artifact.select()))}  <- chosen" in text
+    assert f"held-out perplexity on {heldout['heldout_tokens']:,} tokens (unmodified {heldout['base_ppl']:.3f})" in text
+    versions = provenance["versions"]
+    assert f"torch {versions['torch']}" in text and f"llama.cpp {versions['llama.cpp'][:7]} + patches" in text
+    assert f"{provenance['tokens']:,} tokens: 8 windows of 64 from {provenance['documents']} documents" in text
+    assert "{" not in text  # no raw JSON left
+    # --json: the whole record, the calibration key as the file holds it
+    assert cli.main(["inspect", "--json", str(out)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["calibration"] == provenance and info["scores_criterion"] == best
+    assert [layer["score"] for layer in info["layers"]] == pytest.approx(list(artifact.scores(best)), rel=1e-6)
+    assert [t["name"] for t in info["tensors"]] == [t.name for t in reader.tensors]
 
     out = tmp_path / "auto.gguf"
     assert cli.main(["convert", *common, "--m", "auto", "--max-ppl-increase", "1e9", "--selection-windows", "20",
@@ -245,7 +294,7 @@ def test_convert_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkey
     """A failure (here: an interrupt while the NBL tensors are written) leaves no GGUF and no temp files."""
     import gguf
 
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     calls = {"n": 0}
     original = gguf.GGUFWriter.write_tensor_data
@@ -269,7 +318,7 @@ def test_convert_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkey
 @needs_converter
 def test_convert_quantize_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_path, monkeypatch):
     from nbl_gguf.gguf import quantize as quantize_module
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     real = quantize_module.run_tool
     calls = []
@@ -307,7 +356,7 @@ def test_convert_bad_inputs(tiny_hf, tmp_path, capsys):
 
 @needs_converter
 def test_convert_rejects_calibration_of_another_model(tiny_hf, tiny_artifact, tmp_path):
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     other = tmp_path / "other"
     shutil.copytree(tiny_hf, other)
@@ -321,6 +370,19 @@ def test_convert_rejects_calibration_of_another_model(tiny_hf, tiny_artifact, tm
 
 
 # --- inspect -------------------------------------------------------------------------------------
+
+def test_recorded_scores_follow_the_selection(tiny_artifact):
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf.from_artifact import recorded_scores
+
+    artifact = load_artifact(tiny_artifact)
+    for criterion in ("cca", "nmse", "cosine"):
+        scores, under = recorded_scores(artifact, criterion)
+        assert under == criterion and scores == pytest.approx(list(artifact.scores(criterion)))
+    assert recorded_scores(artifact, "greedy") == (None, None)  # no per-layer score
+    artifact.report["selection"]["chosen"] = "nmse"  # what a best calibration records
+    assert recorded_scores(artifact, "best") == (pytest.approx(list(artifact.scores("nmse"))), "nmse")
+
 
 def test_inspect_stock_and_nbl_tiny_gguf(tmp_path, capsys):
     from nbl_gguf.gguf.inspect import describe
@@ -350,9 +412,29 @@ def test_inspect_stock_and_nbl_tiny_gguf(tmp_path, capsys):
     assert cli.main(["inspect", "--tensors", str(nbl)]) == 0
     text = capsys.readouterr().out
     assert "2 of 3 attention layers replaced (1 linear, 1 dropped)" in text
-    assert "    0  linear     0.1000    attn_nbl:F32 attn_nbl.bias:F32" in text
-    assert "    2  dropped    0.2000    -" in text
-    assert '"seed": 7' in text and "blk.0.attn_nbl.weight" in text
+    rows = [" ".join(line.split()) for line in text.splitlines()]
+    # each layer's cache at the training context, 4096: 4096 cells x 2 KV heads x 16 dims x K, V x F16
+    assert "0 linear 0.1000 freed 512.00 KiB attn_nbl:F32 attn_nbl.bias:F32 (+5 F32)" in rows
+    assert "1 attention 0.5000 512.00 KiB attn_k:F32 attn_output:F32 attn_q:F32 attn_v:F32 (+5 F32)" in rows
+    assert "2 dropped 0.2000 freed 512.00 KiB - (+5 F32)" in rows
+    assert "calibration:   model      tiny\n" in text and "               seed       7\n" in text
+    assert "scores:        cca (the criterion that chose the layers)" in text and "blk.0.attn_nbl.weight" in text
+    assert cli.main(["inspect", str(stock)]) == 0
+    assert "score" not in capsys.readouterr().out  # a stock file has no score column
+
+    # greedy records no per-layer score, and says so instead of an empty column
+    greedy = tmp_path / "greedy.gguf"
+    nbl_format.write_nbl_gguf(stock, greedy, nbl_format.NblLayers(
+        types=[1, 0, 0], linear=model.random_linear([0]), method="attn-nbl", criterion="greedy",
+        calibration={"selection": {"method": "attn-nbl", "criterion": "greedy", "m": 1, "heldout": {
+            "heldout_tokens": 4096, "base_ppl": 12.5, "order": [0], "ppl_increase_pct": [3.5], "stopped": ""}}}))
+    assert cli.main(["inspect", str(greedy)]) == 0
+    text = capsys.readouterr().out
+    assert "scores:        none per layer: greedy chose the layers by the held-out perplexity" in text
+    assert "attn-nbl by greedy, m = 1: held-out perplexity on 4,096 tokens (unmodified 12.500)" in text
+    assert "+layer 0 +3.5%" in text
+    assert "0 linear freed 512.00 KiB attn_nbl:F32 attn_nbl.bias:F32 (+5 F32)" in [" ".join(line.split())
+                                                                                for line in text.splitlines()]
 
 
 def test_inspect_errors(tmp_path, capsys):
@@ -378,3 +460,22 @@ def test_inspect_does_not_import_torch(tmp_path):
     root = Path(__file__).resolve().parent.parent
     completed = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=root)
     assert completed.returncode == 0, completed.stderr
+
+
+def test_the_stock_conversion_keeps_a_16_bit_checkpoint_in_16_bits(tmp_path):
+    """--intermediate defaults to the checkpoint's own float type (lossless, half the bytes of f32)."""
+    import torch
+
+    from _calibrate_helpers import tiny_model
+    from nbl_gguf.gguf.hf_to_gguf import default_intermediate
+
+    model = tiny_model(layers=1)
+    for dtype, expected in ((torch.float16, "f16"), (torch.bfloat16, "bf16"), (torch.float32, "f32")):
+        model.to(dtype).save_pretrained(tmp_path / expected)
+        assert default_intermediate(tmp_path / expected) == expected
+    mixed = tmp_path / "mixed"  # one tensor in another type: f32 loses nothing of either
+    model.to(torch.float16).save_pretrained(mixed)
+    from safetensors.torch import save_file
+
+    save_file({"extra": torch.zeros(2, dtype=torch.float32)}, str(mixed / "extra.safetensors"))
+    assert default_intermediate(mixed) == "f32"

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _convert_helpers import convert_args
+from _convert_helpers import calibrate_for_convert, convert_args
+from _family_helpers import FAMILIES, N_LAYER, random_family_model
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
 from nbl_gguf.llamacpp.tools import bin_dir, source_dir
@@ -29,51 +30,8 @@ pytestmark = [
                        reason="needs the patched llama.cpp build (scripts/build_llama.sh)"),
 ]
 
-N_LAYER, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4, 64, 4, 2, 16
 M = 2
 TOLERANCE = 2e-3  # relative to the largest reference logit
-
-# family: (config class, model class, GGUF architecture, extra config)
-FAMILIES = {
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", dict(tie_word_embeddings=False, head_dim=HEAD_DIM)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", "llama", dict(tie_word_embeddings=False, sliding_window=None)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "llama", dict(tie_word_embeddings=False, sliding_window=None,
-                                                                    num_local_experts=4, num_experts_per_tok=2)),
-    # partial rotary as in Phi-4-mini; the converter wants original_max_position_embeddings
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", dict(tie_word_embeddings=False, partial_rotary_factor=0.5,
-                                                          original_max_position_embeddings=256)),
-    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", "smollm3", dict(tie_word_embeddings=True)),  # NoPE every 4th layer
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2", dict(tie_word_embeddings=True, head_dim=HEAD_DIM,
-                                                                 query_pre_attn_scalar=HEAD_DIM, sliding_window=512)),
-    # sliding-window layers (iSWA cache) with a window longer than the test; llama.cpp scales Q by 1/sqrt(head_dim)
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3", dict(tie_word_embeddings=True, head_dim=HEAD_DIM,
-                                                                           query_pre_attn_scalar=HEAD_DIM,
-                                                                           sliding_window=512)),
-    # image-text Gemma 3 (4B and up): the same decoder, nested beside a vision tower (see family_config)
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForConditionalGeneration", "gemma3", dict(head_dim=HEAD_DIM,
-                                                                                    query_pre_attn_scalar=HEAD_DIM,
-                                                                                    sliding_window=512)),
-}
-
-
-def family_config(family: str, tokenizer):
-    import transformers
-
-    config_name, _, _, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(
-        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYER,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256, rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id, **extra)
-    if family == "gemma3":
-        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                 num_attention_heads=2, image_size=32, patch_size=8)
-        config = transformers.Gemma3Config(text_config=config.to_dict(), vision_config=vision.to_dict(),
-                                           mm_tokens_per_image=4, image_token_index=len(tokenizer) - 1,
-                                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                           pad_token_id=tokenizer.eos_token_id)
-    return config
 
 
 def sentencepiece_model(texts) -> bytes:
@@ -94,21 +52,12 @@ def sentencepiece_model(texts) -> bytes:
 
 
 def tiny_family_model(family: str, root: Path, spm: bytes) -> Path:
-    import torch
-    import transformers
     from transformers import AutoTokenizer
 
     from nbl_gguf import models
 
     tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
-    config = family_config(family, tokenizer)
-    torch.manual_seed(0)
-    model = getattr(transformers, FAMILIES[family][1])(config).eval()
-    with torch.no_grad():
-        # init leaves norms at 1 and biases at 0: perturb both so that a dropped Q/K norm or bias shows
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                param.add_(0.2 * torch.randn_like(param))
+    model = random_family_model(family, tokenizer)
     path = root / f"tiny-{family}"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)  # the calibrator's tokenizer; llama.cpp is fed token ids here
@@ -133,11 +82,10 @@ def spm():
 def family(request, spm, tmp_path_factory):
     """A tiny model of the family and one calibration of it (shared by both methods)."""
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.gguf.convert import calibrate_into
 
     root = tmp_path_factory.mktemp(request.param)
     model_dir = tiny_family_model(request.param, root, spm)
-    artifact_dir = calibrate_into(root / "calibration", model_dir, convert_args(model=str(model_dir), m=M))
+    artifact_dir = calibrate_for_convert(root / "calibration", model_dir, convert_args(model=str(model_dir), m=M))
     return request.param, model_dir, artifact_dir, load_artifact(artifact_dir)
 
 
@@ -150,7 +98,7 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
     from nbl_gguf import models
     from nbl_gguf.llamacpp import library
     from nbl_gguf.calibration.apply import apply_nbl
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     name, model_dir, artifact_dir, artifact = family
     output = tmp_path / f"{name}-{method}.gguf"

@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from _convert_helpers import convert_args
+from _convert_helpers import calibrate_for_convert, convert_args
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.llamacpp.tools import bin_dir, source_dir
 
@@ -35,13 +35,13 @@ def embedded(tmp_path_factory):
     pytest.importorskip("llama_cpp")
     from nbl_gguf import models
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.gguf.convert import calibrate_into, convert
+    from nbl_gguf.commands.convert import convert
     from nbl_gguf.gguf.quantize import quantize
 
     root = tmp_path_factory.mktemp("fidelity")
     model_dir = models.default_model_dir()
-    artifact_dir = calibrate_into(root / "calibration", model_dir,
-                                  convert_args(nsamples=6, seqlen=128, m=M, device="cpu"))
+    artifact_dir = calibrate_for_convert(root / "calibration", model_dir,
+                                         convert_args(nsamples=6, seqlen=128, m=M, device="cpu"))
     f32 = root / "nbl-f32.gguf"
     summary = convert(convert_args(calibration=str(artifact_dir), m=M, quant="f32", output=str(f32), no_eval=False,
                                    eval_chunks=EVAL_CHUNKS))
@@ -110,7 +110,7 @@ def test_summary_heldout_perplexity_matches_pytorch(embedded):
     from nbl_gguf import models
     from nbl_gguf.calibration.apply import apply_nbl
     from nbl_gguf.calibration.dataset import heldout_text
-    from nbl_gguf.gguf.convert import EVAL_CTX
+    from nbl_gguf.commands.convert import EVAL_CTX
     from nbl_gguf.measurement.torch_ppl import llama_tokens, torch_perplexity
 
     artifact, summary, f32, _ = embedded

@@ -35,7 +35,8 @@ M = 4
 CRITERION = "cosine"
 WINDOW = 256
 WINDOWS = 4
-NBL_KEYS = {nbl_format.METHOD_KEY, nbl_format.CRITERION_KEY, nbl_format.SCORES_KEY, nbl_format.CALIBRATION_KEY}
+NBL_KEYS = {nbl_format.METHOD_KEY, nbl_format.CRITERION_KEY, nbl_format.SCORES_KEY, nbl_format.SCORES_CRITERION_KEY,
+            nbl_format.CALIBRATION_KEY}
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -104,11 +105,17 @@ def file_linear(path: Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     return out
 
 
+# a position counts for top-1 agreement when PyTorch's top token leads the runner-up by this many nats:
+# near-ties flip under any rounding (llama.cpp quantizes activations for its dot products), and a
+# model with replaced layers has more of them; the RMS term below bounds the error everywhere
+DECIDED = 1.0
+
+
 @dataclass
 class Deviation:
     """How far llama.cpp's logits of a file are from PyTorch's on the same windows."""
 
-    top1: float  # share of positions with the same argmax
+    top1: float  # share of the decided positions (see DECIDED) with the same argmax
     rel_rms: float  # RMS of the logit difference over the RMS of PyTorch's centred logits
     ppl_rel: float  # relative perplexity difference
 
@@ -142,14 +149,17 @@ def deviation(model, path: Path, windows: list[list[int]]) -> Deviation:
         with torch.no_grad():
             ref = model(torch.tensor([tokens])).logits[0].double().numpy()
         got = library.logits(llm, tokens)
-        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-        total += len(tokens)
+        top_two = np.sort(ref, axis=-1)[:, -2:]
+        decided = top_two[:, 1] - top_two[:, 0] > DECIDED
+        agree += int((ref.argmax(-1) == got.argmax(-1))[decided].sum())
+        total += int(decided.sum())
         squares += float(((ref - got) ** 2).sum())
         references += float(((ref - ref.mean(-1, keepdims=True)) ** 2).sum())
         nll_torch.append(_nll(ref, tokens))
         nll_gguf.append(_nll(got, tokens))
     ppl_torch = float(np.exp(np.concatenate(nll_torch).mean()))
     ppl_gguf = float(np.exp(np.concatenate(nll_gguf).mean()))
+    assert total >= 0.25 * sum(map(len, windows)), f"only {total} decided positions"
     return Deviation(agree / total, (squares / references) ** 0.5, abs(ppl_gguf - ppl_torch) / ppl_torch)
 
 
@@ -278,7 +288,7 @@ def smol(embedded_gguf, tmp_path_factory):
     and its artifact."""
     pytest.importorskip("llama_cpp")
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     root = tmp_path_factory.mktemp("gguf-in")
     output = root / "out" / "smol-nbl.gguf"
@@ -325,7 +335,10 @@ def test_untouched_tensors_keep_their_bytes(smol, embedded_gguf):
     assert provenance["source_gguf"] == {"file": embedded_gguf.name,
                                          "sha256": hashlib.sha256(embedded_gguf.read_bytes()).hexdigest()}
     assert summary.quant == "Q4_1" and summary.stock_bytes == embedded_gguf.stat().st_size
-    assert summary.kv_nbl == summary.kv_stock * (30 - M) // 30
+    # SmolLM2-135M: 30 layers of 3 KV heads x 64 dims, every one caching the whole context (8192 to train)
+    assert list(summary.kv) == [4096, 8192]
+    for n_ctx, (stock, nbl) in summary.kv.items():
+        assert stock.bytes == 30 * n_ctx * 3 * 64 * 2 * 2 and nbl.bytes == stock.bytes * (30 - M) // 30
     table = summary.table()
     assert "stock Q4_1" in table and f"{embedded_gguf.name} itself" in table
     assert f"NBL weights: Q4_1 in layers {', '.join(map(str, summary.replaced))} (their attn_output's type)" in table
@@ -346,7 +359,7 @@ def test_nbl_type_f16_matches_the_calibrated_maps(smol, dequantized, embedded_gg
     own float32 maps as closely as the unmodified file matches its model."""
     import gguf
 
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     summary, _, artifact, types = smol
     loaded, windows, stock = dequantized
@@ -366,7 +379,7 @@ def test_nbl_type_f16_matches_the_calibrated_maps(smol, dequantized, embedded_gg
 def test_nbl_type_q8_0_and_refusals(smol, embedded_gguf, tmp_path):
     import gguf
 
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     summary, _, artifact, types = smol
     output = tmp_path / "out" / "nbl-q8_0.gguf"
@@ -398,7 +411,7 @@ def test_nbl_type_q8_0_and_refusals(smol, embedded_gguf, tmp_path):
 
 def test_options_that_mean_nothing_for_a_gguf(embedded_gguf, tmp_path, capsys):
     from nbl_gguf import cli
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     output = tmp_path / "out" / "x.gguf"
     output.parent.mkdir()
@@ -407,17 +420,22 @@ def test_options_that_mean_nothing_for_a_gguf(embedded_gguf, tmp_path, capsys):
         convert(convert_args(model=str(embedded_gguf), quant="q8_0", output=str(output)))
     with pytest.raises(NblError, match="--imatrix means nothing for a GGUF --model"):
         convert(convert_args(model=str(embedded_gguf), imatrix=True, output=str(output)))
+    with pytest.raises(NblError, match="--intermediate f16 means nothing for a GGUF --model: no stock conversion"):
+        convert(convert_args(model=str(embedded_gguf), intermediate="f16", output=str(output)))
     with pytest.raises(NblError, match="--nbl-type goes with a GGUF --model"):
         convert(convert_args(nbl_type="q8_0", output=str(output)))
     with pytest.raises(NblError, match="-o .* is the --model file itself"):
         convert(convert_args(model=str(embedded_gguf), output=str(embedded_gguf)))
     assert cli.main(["convert", "--model", str(embedded_gguf), "--quant", "q4_k_m", "-o", str(output)]) == 2
     assert "means nothing for a GGUF --model" in capsys.readouterr().err
+    # asked for explicitly, even as the HF default: refused; left out (every other GGUF conversion here): no error
+    assert cli.main(["convert", "--model", str(embedded_gguf), "--intermediate", "f32", "-o", str(output)]) == 2
+    assert "--intermediate f32 means nothing for a GGUF --model" in capsys.readouterr().err
     assert listing(output.parent) == set()
 
 
 def test_bad_gguf_inputs_are_refused_by_name(embedded_gguf, smol, tmp_path):
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -459,7 +477,7 @@ def test_calibrate_on_a_gguf_is_calibrating_its_dequantized_model(embedded_gguf,
     and records the file."""
     import argparse
 
-    from nbl_gguf.calibration import calibrate
+    from nbl_gguf.commands import calibrate
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.model_source import resolve_model
 
@@ -486,7 +504,7 @@ def test_sweep_on_a_gguf_measures_the_file_and_its_surgery(embedded_gguf, smol, 
     import argparse
     import csv
 
-    from nbl_gguf.measurement import eval as eval_command
+    from nbl_gguf.commands import eval as eval_command
 
     _, _, artifact, _ = smol
     parser = argparse.ArgumentParser()
@@ -527,7 +545,7 @@ def test_qwen_coder_q4_k_m_end_to_end(qwen_gguf, tmp_path):
     pytest.importorskip("llama_cpp")
     from nbl_gguf import models
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.gguf.convert import convert
+    from nbl_gguf.commands.convert import convert
     from nbl_gguf.model_source import resolve_model
 
     output = tmp_path / "qwen-nbl4.gguf"

@@ -386,7 +386,7 @@ def test_cli_table_and_json(tiny_gguf, tmp_path, capsys):
                                                           "labels": [1, 0]}])
     out = tmp_path / "r.json"
     assert cli.main(["eval", str(tiny_gguf), "--text", str(text), "-c", "64", "--multiple-choice", str(mc),
-                     "--json", str(out), "-t", str(THREADS)]) == 0
+                     "-o", str(out), "-t", str(THREADS)]) == 0
     printed = capsys.readouterr().out
     assert "| tiny.gguf |" in printed and "scored tokens" in printed
     import json

@@ -1,6 +1,7 @@
 """The package's layout holds: no import cycles, and imports point one way down the pipeline
-(measurement -> fixtures -> GGUF -> calibration -> models, llama.cpp runtime, errors), with the CLI
-on top and imported by nothing but ``__main__``. Every import counts, those inside functions too."""
+(measurement -> fixtures -> GGUF -> calibration -> models, llama.cpp runtime, errors), with the
+commands above every stage (imported by no stage), and the CLI on top of them, imported by nothing
+but ``__main__`` and reaching the commands only. Every import counts, those inside functions too."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 RANKS = {
     "nbl_gguf": 0,  # the package itself (__version__)
     "nbl_gguf.errors": 0,
+    "nbl_gguf.kv_cache": 0,
     "nbl_gguf.outputs": 0,
     "nbl_gguf.models": 0,
     "nbl_gguf.model_source": 0,
@@ -22,9 +24,11 @@ RANKS = {
     "nbl_gguf.gguf": 2,
     "nbl_gguf.fixtures": 3,
     "nbl_gguf.measurement": 4,
-    "nbl_gguf.cli": 5,
-    "nbl_gguf.__main__": 6,
+    "nbl_gguf.commands": 5,  # each command drives several stages: it is above all of them
+    "nbl_gguf.cli": 6,
+    "nbl_gguf.__main__": 7,
 }
+STAGES = ("nbl_gguf.calibration", "nbl_gguf.gguf", "nbl_gguf.fixtures", "nbl_gguf.measurement", "nbl_gguf.llamacpp")
 
 
 def module_files(root: Path, package: str = PACKAGE) -> dict[str, Path]:
@@ -171,3 +175,31 @@ def test_llamacpp_runtime_imports_only_errors():
 def test_nothing_but_main_imports_the_cli():
     graph = import_graph(module_files(ROOT))
     assert [m for m, deps in graph.items() if "nbl_gguf.cli" in deps] == ["nbl_gguf.__main__"]
+
+
+def test_no_stage_imports_a_command():
+    graph = import_graph(module_files(ROOT))
+    offenders = {module: sorted(d for d in deps if d.startswith("nbl_gguf.commands"))
+                 for module, deps in graph.items() if not module.startswith(("nbl_gguf.commands", "nbl_gguf.cli",
+                                                                              "nbl_gguf.__main__"))}
+    assert {module: deps for module, deps in offenders.items() if deps} == {}
+    assert any(module.startswith(STAGES) for module in graph)  # the check saw the stages
+
+
+def test_the_cli_reaches_the_commands_only():
+    """cli.py imports nothing of the package but errors, and every command it names is a module of
+    nbl_gguf.commands with add_arguments and run; every command module there with a run is named."""
+    import importlib
+
+    from nbl_gguf.cli import COMMANDS
+
+    graph = import_graph(module_files(ROOT))
+    assert graph["nbl_gguf.cli"] <= {"nbl_gguf.errors"}
+    modules = {module for module, _ in COMMANDS.values()}
+    assert all(module.startswith("nbl_gguf.commands.") for module in modules), modules
+    for module in modules:
+        loaded = importlib.import_module(module)
+        assert callable(loaded.add_arguments) and callable(loaded.run), module
+    with_run = {m for m, path in module_files(ROOT).items() if m.startswith("nbl_gguf.commands.")
+                and any(line.startswith("def run(") for line in path.read_text(encoding="utf-8").splitlines())}
+    assert with_run == modules

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from _build_info import expected_build_info
 
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.llamacpp import tools as llamacpp
@@ -103,3 +104,7 @@ def test_parallel_slots_and_cache_reuse(server):
     result = complete(port, shifted)
     assert result["timings"]["prompt_n"] < len(shifted)
     assert result["tokens"] == greedy(model, shifted, types, linear, N_PREDICT)
+
+    # the server says which llama.cpp and patch series it runs
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=10) as response:
+        assert json.loads(response.read())["build_info"] == expected_build_info()

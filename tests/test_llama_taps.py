@@ -257,7 +257,7 @@ def test_taps_layers_keep_no_kv_cache(tmp_path):
 @pytest.mark.parametrize("form", FORMS)
 def test_quantized_taps_file_runs(tmp_path, form):
     # rows of 256 let every quantized type apply; the lag maps are quantized like W, the per-channel
-    # taps stay F32 (patch 0015), the low-rank up map's rows of r = 32 fit Q8_0 blocks
+    # taps stay F32 (patch 0013), the low-rank up map's rows of r = 32 fit Q8_0 blocks
     model = TinyLlama(n_layer=3, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=5)
     types = [A, T, D]
     maps = model.random_taps([1], TAPS, form, rank=32)

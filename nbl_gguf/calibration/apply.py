@@ -44,8 +44,9 @@ def _keep_positions(past_key_values, layer_idx: int, hidden_states: torch.Tensor
 class _Affine(nn.Module):
     def __init__(self, weight, bias, layer_idx: int | None):
         super().__init__()
-        weight = torch.as_tensor(np.asarray(weight), dtype=torch.float32)
-        bias = torch.as_tensor(np.asarray(bias), dtype=torch.float32)
+        # copies: the maps may come read-only from a memory-mapped file (the artifact, a GGUF)
+        weight = torch.tensor(np.asarray(weight), dtype=torch.float32)
+        bias = torch.tensor(np.asarray(bias), dtype=torch.float32)
         if weight.ndim != 2 or weight.shape[0] != weight.shape[1] or bias.shape != weight.shape[:1]:
             raise NblError(f"layer {layer_idx}: expected a square weight and matching bias, got "
                            f"{tuple(weight.shape)} and {tuple(bias.shape)}")
@@ -219,3 +220,19 @@ def apply_nbl(model, layer_types: Sequence[int] | Mapping[int, int], linear=None
             # W x + b already is the block's output after this norm (the fit was taken there)
             setattr(layer, adapter.attn_out_norm, nn.Identity())
     return model
+
+
+def replace_layer(model, layer: int, layer_type: int, linear):
+    """Replace ``layer`` (apply_nbl) and return the function that puts the original modules back."""
+    adapter = get_adapter(model)
+    layers = decoder_layers(model)
+    block = layers[layer]
+    saved = {name: getattr(block, name) for name in (adapter.attn, adapter.attn_out_norm) if name}
+    apply_nbl(model, {layer: layer_type}, linear)
+
+    def restore():
+        layers[layer] = block  # a block-nbl layer replaced the whole decoder layer
+        for name, module in saved.items():
+            setattr(block, name, module)
+
+    return restore

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,77 @@ METHOD_TARGET = {"attn-nbl": "attn", "attn-drop": "attn", "block-nbl": "block"}
 def report_targets(report: dict) -> tuple[str, ...]:
     """What was fitted: ('attn', 'block') or ('attn',) (artifacts older than the key have both)."""
     return tuple(report.get("targets", TARGETS))
+
+
+class LazyTensors(Mapping):
+    """name -> numpy array, read from safetensors files on access (an 8B model's maps for every layer
+    are 4 GB: an artifact is never held in memory whole)."""
+
+    def __init__(self, files):
+        from safetensors import safe_open
+
+        self.files = [Path(f) for f in files]
+        self.where: dict[str, Path] = {}
+        for path in self.files:
+            with safe_open(str(path), framework="numpy") as handle:
+                for name in handle.keys():
+                    self.where[name] = path
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[name]), framework="numpy") as handle:
+            return handle.get_tensor(name)
+
+    def info(self, name: str) -> tuple[str, list[int]]:
+        """(safetensors dtype, shape) without reading the data."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[name]), framework="numpy") as handle:
+            piece = handle.get_slice(name)
+            return piece.get_dtype(), list(piece.get_shape())
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __contains__(self, name) -> bool:
+        return name in self.where
+
+
+SAFETENSORS_NAMES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+                     np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8"}
+
+
+def save_safetensors(path: Path, tensors: Mapping, metadata: dict[str, str]) -> None:
+    """A safetensors file written one tensor at a time (``tensors`` may be a LazyTensors)."""
+    names = sorted(tensors)
+    infos = {}
+    for name in names:
+        if isinstance(tensors, LazyTensors):
+            infos[name] = tensors.info(name)
+        else:
+            array = np.asarray(tensors[name])
+            infos[name] = (SAFETENSORS_NAMES[array.dtype], list(array.shape))
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1}
+    header, offset = {"__metadata__": metadata}, 0
+    for name in names:
+        dtype, shape = infos[name]
+        nbytes = int(np.prod(shape)) * sizes[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as handle:
+        handle.write(len(encoded).to_bytes(8, "little"))
+        handle.write(encoded)
+        for name in names:
+            array = np.ascontiguousarray(tensors[name])
+            if SAFETENSORS_NAMES.get(array.dtype) != infos[name][0] or list(array.shape) != infos[name][1]:
+                raise NblError(f"tensor {name} changed while the artifact was written")
+            handle.write(memoryview(array).cast("B"))
 
 
 class CalibrationArtifact:
@@ -139,8 +211,6 @@ class CalibrationArtifact:
 
 
 def load_artifact(path: str | os.PathLike) -> CalibrationArtifact:
-    from safetensors.numpy import load_file
-
     path = Path(path)
     if not (path / REPORT).is_file() or not (path / WEIGHTS).is_file():
         raise NblError(f"{path} is not a calibration artifact (expected {REPORT} and {WEIGHTS}); run 'calibrate' first")
@@ -153,7 +223,7 @@ def load_artifact(path: str | os.PathLike) -> CalibrationArtifact:
         raise NblError(f"{path / REPORT} is not a calibration report (" + (
             f"no {', '.join(missing)}" if missing else "no model.num_layers or not one entry per layer") + ")")
     try:
-        tensors = load_file(str(path / WEIGHTS))
+        tensors = LazyTensors([path / WEIGHTS])
     except Exception as error:  # noqa: BLE001 - safetensors raises its own error type for damaged files
         raise NblError(f"{path / WEIGHTS} is not a readable safetensors file ({error})") from error
     return CalibrationArtifact(path, report, tensors)
@@ -164,14 +234,12 @@ def write_artifact(path: str | os.PathLike, report: dict, tensors: dict[str, np.
 
     plot(path) draws the scores figure into the temp dir (optional).
     """
-    from safetensors.numpy import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / WEIGHTS),
-                  metadata={"format": "nbl-calibration", "version": str(report.get("format_version", 1))})
+        save_safetensors(tmp / WEIGHTS, tensors,
+                         metadata={"format": "nbl-calibration", "version": str(report.get("format_version", 1))})
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         if plot is not None:
             plot(tmp / PLOT)

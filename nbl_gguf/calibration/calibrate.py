@@ -1,4 +1,5 @@
-"""`calibrate`: run the model once over calibration text, fit every layer, score, select, save.
+"""The calibration stage: run the model over calibration text, fit every layer, score, select, save
+an artifact (``calibrate(Settings(...))``; the `calibrate` command is nbl_gguf.commands.calibrate).
 
 One forward pass feeds all layers' statistics at once (hooks fold each batch into float64 sums),
 then each layer is solved independently. The artifact holds the maps for every layer, so the
@@ -7,15 +8,16 @@ selection (m, criterion, method) can be changed later without running the model 
 
 from __future__ import annotations
 
-import argparse
+import os
 import platform
 import sys
-import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
-from nbl_gguf.calibration.artifact import CRITERIA, DEFAULT_CRITERION, LOCAL_DEFAULT, SELECTIONS, TARGETS
+from nbl_gguf import models
+from nbl_gguf.calibration.artifact import CRITERIA, DEFAULT_CRITERION, LOCAL_DEFAULT, TARGETS
 from nbl_gguf.errors import NblError
 from nbl_gguf.outputs import check_output_dir
 
@@ -28,37 +30,8 @@ DEFAULT_NSAMPLES = {"cuda": 256, "cpu": 32}
 DEFAULT_SELECTION_TOKENS = 8192  # held out for best/greedy/auto: 4 windows of 2048 by default
 DEFAULT_MAX_PPL_INCREASE = 10.0
 DEFAULT_OUTPUT_ROOT = Path("out") / "calibration"
-
-
-def parse_m(text: str):
-    """--m: a layer count or 'auto' (the largest m within --max-ppl-increase)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of layers or 'auto', got {text!r}") from None
-
-
-def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
-    """How many layers and which (shared with `convert`)."""
-    parser.add_argument("--m", type=parse_m, default=None,
-                        help=f"number of layers to replace, or 'auto': the largest m whose perplexity increase on "
-                             f"held-out calibration windows stays within --max-ppl-increase "
-                             f"(default: min({DEFAULT_M}, layers - 1))")
-    parser.add_argument("--max-ppl-increase", type=float, default=None, metavar="P",
-                        help=f"with --m auto: the budget, in percent of the unmodified model's held-out perplexity "
-                             f"(default: {DEFAULT_MAX_PPL_INCREASE:g})")
-    parser.add_argument("--criterion", default=DEFAULT_CRITERION, choices=SELECTIONS,
-                        help="how layers are chosen: best (default: the set of cosine, nmse or cca that costs least on "
-                             "held-out calibration windows), cosine, nmse, cca (the NBL paper's CCA bound), or greedy "
-                             "(joint: adds the layer that costs the whole model least on those windows)")
-    parser.add_argument("--selection-windows", type=int, default=None,
-                        help="calibration windows held out from the fit to measure the model for --m auto and "
-                             f"--criterion best/greedy (default: {DEFAULT_SELECTION_TOKENS} tokens' worth)")
-    parser.add_argument("--candidates", type=int, default=None,
-                        help="greedy: layers tried at each step, the first not yet chosen of the cosine and nmse rankings "
-                             "in turn (default: 5)")
+# the statistics' per-batch products: float32 partial sums added to float64 totals (see statistics.py)
+STATISTICS_PARTIAL = "float32"  # the name of statistics.CALIBRATION_PARTIAL, recorded in the report
 
 
 def selection_budget(m, max_ppl_increase) -> tuple[int | None, float | None]:
@@ -79,60 +52,6 @@ def parse_targets(text: str) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t in targets)
 
 
-def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where the calibration text comes from (shared with `convert`)."""
-    parser.add_argument("--dataset", default=None,
-                        help="local .txt/.json/.jsonl/.parquet file or a `datasets` hub name "
-                             "(default: bundled C4 sample, first 256 documents)")
-    parser.add_argument("--dataset-config", default=None, help="hub dataset configuration (e.g. 'en' for allenai/c4)")
-    parser.add_argument("--split", default="train", help="hub dataset split (default: train)")
-    parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="HF folder, hub id or GGUF file of a supported model (llama, mistral, qwen2/3, phi3, "
-                             "gemma2/3, ...; a GGUF is calibrated as transformers dequantizes it) "
-                             "(default: embedded SmolLM2-135M-Instruct)")
-    add_dataset_arguments(parser)
-    parser.add_argument("--nsamples", type=int, default=None,
-                        help="number of calibration windows for the fit (default: 256 on CUDA, 32 on a CPU)")
-    parser.add_argument("--seqlen", type=int, default=2048,
-                        help="tokens per window, capped by the model's context (default: 2048)")
-    parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (default: 1)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                        help="model dtype (default: bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
-    parser.add_argument("--stats-device", default=None,
-                        help="where the float64 statistics live (default: the model device; 'cpu' saves GPU memory)")
-    add_selection_arguments(parser)
-    parser.add_argument("--method", default="attn-nbl", choices=METHODS)
-    parser.add_argument("-o", "--output", default=None, help="artifact directory (default: out/calibration/<model>)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--targets", default="attn,block",
-                        help="what to fit: 'attn,block' (default; block-level NBL is a baseline of the paper) or "
-                             "'attn' (about a third faster: the attention is all a GGUF can replace)")
-    parser.add_argument("--save-covariances", action="store_true",
-                        help="also store float64 covariances (3 d x d per layer and target; large)")
-
-
-class _Timer:
-    def __init__(self):
-        self.phases: dict[str, float] = {}
-
-    def __call__(self, name: str):
-        timer = self
-
-        class _Phase:
-            def __enter__(self):
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.phases[name] = round(time.perf_counter() - self.start, 3)
-
-        return _Phase()
-
-
 def _versions() -> dict:
     import torch
     import transformers
@@ -144,9 +63,10 @@ def _versions() -> dict:
 
 
 def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, stats_device: str,
-                       progress: bool = True, targets=TARGETS):
-    """One pass over the windows; returns per-layer (attn, block) MomentAccumulators and cosine means
-    (the block lists are empty when ``targets`` leaves the block out)."""
+                       progress: bool = True, targets=TARGETS, partial=None):
+    """The whole-model reference: one pass over the windows with every layer hooked; returns per-layer
+    (attn, block) MomentAccumulators and cosine means (the block lists are empty when ``targets``
+    leaves the block out)."""
     import torch
     from tqdm import tqdm
 
@@ -156,10 +76,13 @@ def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, 
 
     d = text_config(model.config).hidden_size
     count = len(decoder_layers(model))
-    attn = [MomentAccumulator(d, d, stats_device, f"layer {i} attention") for i in range(count)]
+    from nbl_gguf.calibration.statistics import CALIBRATION_PARTIAL
+
+    partial = partial or CALIBRATION_PARTIAL
+    attn = [MomentAccumulator(d, d, stats_device, f"layer {i} attention", partial) for i in range(count)]
     with_block = "block" in targets
     block_count = count if with_block else 0
-    block = [MomentAccumulator(d, d, stats_device, f"layer {i} block") for i in range(block_count)]
+    block = [MomentAccumulator(d, d, stats_device, f"layer {i} block", partial) for i in range(block_count)]
     attn_cos = [CosineAccumulator(stats_device) for _ in range(count)]
     block_cos = [CosineAccumulator(stats_device) for _ in range(block_count)]
 
@@ -182,54 +105,23 @@ def collect_statistics(model, adapter, input_ids, batch_size: int, device: str, 
     return attn, block, [c.value() for c in attn_cos], [c.value() for c in block_cos]
 
 
-def solve_all(attn, block, progress: bool = True):
-    """[(attention fit, block fit or None)] per layer; ``block`` may be empty. Each attention fit
-    carries its bias-free map too (``without_bias``), for runtimes whose slot has no bias."""
-    import dataclasses
-
-    import torch
-    from tqdm import tqdm
-
-    from nbl_gguf.calibration.solve import fit, fit_without_bias
-
-    # Multithreaded LAPACK eigh/svd on a small matrix gains little and, on a busy CPU, its spinning
-    # threads slowed it 10-200x in our measurements; one thread is fast and predictable there.
-    small_cpu = attn and attn[0].device.type == "cpu" and attn[0].sum_xx.shape[0] <= 1024
-    threads = torch.get_num_threads()
-    if small_cpu:
-        torch.set_num_threads(1)
-    try:
-        fits = []
-        for i in tqdm(range(len(attn)), desc="solve", unit="layer", disable=not progress):
-            moments = attn[i].moments()
-            attention = fit(moments, residual=True)
-            attention = dataclasses.replace(attention, without_bias=fit_without_bias(moments))
-            fits.append((attention, fit(block[i].moments(), residual=False) if block else None))
-    finally:
-        torch.set_num_threads(threads)
-    return fits
-
-
 def default_m(num_layers: int) -> int:
     return max(0, min(DEFAULT_M, num_layers - 1))
 
 
-def select(model, layers: list[dict], tensors: dict, args, m: int | None, budget: float | None, heldout_ids) -> dict:
-    """The artifact's selection: a local ranking cut at m, or (auto / greedy) a walk measured on the
-    held-out windows. Greedy and auto replace layers of ``model`` in place (it is not needed after)."""
-    from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
+def select(layers: list[dict], args, m: int | None, budget: float | None, evaluator) -> dict:
+    """The artifact's selection: a local ranking cut at m, or (best, greedy, --m auto) choices measured
+    by ``evaluator`` (select.NestedEvaluator or stream.StreamedEvaluator) on the held-out windows."""
     from nbl_gguf.calibration.artifact import METHOD_TARGET
-    from nbl_gguf.calibration.select import DEFAULT_CANDIDATES, NestedEvaluator, best_of, greedy, walk
+    from nbl_gguf.calibration.select import DEFAULT_CANDIDATES, best_of, greedy, walk
     from nbl_gguf.calibration.solve import ranking, select_layers
 
     target = METHOD_TARGET[args.method]
     local = args.criterion if args.criterion in CRITERIA else LOCAL_DEFAULT
     scores = [entry[target][local] for entry in layers]
     selection = {"method": args.method, "criterion": args.criterion}
-    if heldout_ids is None:
+    if evaluator is None:
         return {**selection, "m": m, "layers": select_layers(scores, m)}
-    linear = {i: (tensors[f"attn.{i}.weight"], tensors[f"attn.{i}.bias"]) for i in range(len(layers))}
-    evaluator = NestedEvaluator(model, heldout_ids, METHOD_LAYER_TYPE[args.method], linear, args.batch_size)
     rankings = {c: ranking([entry[target][c] for entry in layers]) for c in CRITERIA}
     compared = None
     if args.criterion == "greedy":
@@ -270,15 +162,23 @@ def describe_selection(selection: dict, num_layers: int) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
+@dataclass
+class Prepared:
+    """What both calibration paths share once the model is open and the text is cut into windows."""
 
-    from nbl_gguf import models
-    from nbl_gguf.calibration import dataset
-    from nbl_gguf.model_source import resolve_model
-    from nbl_gguf.calibration.artifact import METHOD_TARGET, plot_scores, write_artifact
-    from nbl_gguf.calibration.solve import ranking
+    name: str
+    path: str
+    config: object
+    tokenizer: object
+    device: str
+    dtype: object
+    num_layers: int
+    hidden_size: int
 
+
+def check_arguments(args) -> tuple[tuple[str, ...], int | None, float | None, bool]:
+    """(targets, m or None, budget or None, whether the selection needs held-out windows): every check
+    that needs no model, so that a typo costs nothing."""
     targets = parse_targets(args.targets)
     m_fixed, budget = selection_budget(args.m, args.max_ppl_increase)
     needs_heldout = args.m == "auto" or args.criterion in ("greedy", "best")
@@ -287,37 +187,26 @@ def run(args: argparse.Namespace) -> int:
                        "attn-drop, or a fixed --m with --criterion cosine, nmse or cca")
     if needs_heldout and args.selection_windows is not None and args.selection_windows < 1:
         raise NblError(f"--selection-windows must be at least 1, got {args.selection_windows}")
+    from nbl_gguf.calibration.artifact import METHOD_TARGET
+
     if METHOD_TARGET[args.method] not in targets:
         raise NblError(f"--method {args.method} needs the block statistics: use --targets attn,block")
-    # the artifact is written last: a folder it cannot be written in must not cost a calibration first
-    if args.output:
-        check_output_dir(args.output, "-o", renamed_into_place=True)
-    else:
-        check_output_dir(DEFAULT_OUTPUT_ROOT, "the default -o")
-    torch.manual_seed(args.seed)
-    timer = _Timer()
-    with timer("load_model"):
-        source = resolve_model(args.model)
-        loaded = models.load_model(str(source.hf_folder()), args.dtype, args.device, name=source.name)
-    model, config = loaded.model, loaded.config
-    num_layers = len(models.decoder_layers(model))
-    d = models.text_config(config).hidden_size
-    if m_fixed is None and args.m != "auto":
-        m_fixed = default_m(num_layers)
-    if m_fixed is not None and not 0 <= m_fixed <= num_layers:
-        raise NblError(f"--m {m_fixed} is out of range: the model has {num_layers} layers")
-    nsamples = args.nsamples
-    if nsamples is None:
-        nsamples = DEFAULT_NSAMPLES["cuda" if loaded.device.startswith("cuda") else "cpu"]
+    if args.memory_budget is not None and args.memory_budget <= 0:
+        raise NblError(f"--memory-budget must be a positive number of GiB, got {args.memory_budget:g}")
+    return targets, m_fixed, budget, needs_heldout
+
+
+def load_windows(args, prepared: Prepared, needs_heldout: bool, nsamples: int):
+    """(calibration windows, held-out windows or None) of the calibration text."""
+    from nbl_gguf.calibration import dataset
+
     held = 0
     if needs_heldout:
-        seqlen = dataset.effective_seqlen(args.seqlen, models.max_context(config))
+        seqlen = dataset.effective_seqlen(args.seqlen, models.max_context(prepared.config))
         held = args.selection_windows or -(-DEFAULT_SELECTION_TOKENS // seqlen)
-
-    with timer("load_data"):
-        calib = dataset.load_calibration(loaded.tokenizer, args.dataset, nsamples + held, args.seqlen,
-                                         config=args.dataset_config, split=args.split, field=args.text_field,
-                                         max_positions=models.max_context(config))
+    calib = dataset.load_calibration(prepared.tokenizer, args.dataset, nsamples + held, args.seqlen,
+                                     config=args.dataset_config, split=args.split, field=args.text_field,
+                                     max_positions=models.max_context(prepared.config))
     heldout_ids = None
     if held:
         if calib.nsamples <= held:
@@ -329,65 +218,244 @@ def run(args: argparse.Namespace) -> int:
     if calib.nsamples < nsamples:
         print(f"note: {args.dataset or dataset.DEFAULT_DATASET} gives {calib.nsamples} windows of {calib.seqlen} tokens "
               f"for the fit, fewer than the {nsamples} requested; calibrating on {calib.tokens} tokens", file=sys.stderr)
-    if calib.tokens <= d:
-        raise NblError(f"only {calib.tokens} calibration tokens for hidden size {d}; need more than {d} "
-                       f"(raise --nsamples/--seqlen or use more text)")
+    if calib.tokens <= prepared.hidden_size:
+        raise NblError(f"only {calib.tokens} calibration tokens for hidden size {prepared.hidden_size}; need more than "
+                       f"{prepared.hidden_size} (raise --nsamples/--seqlen or use more text)")
+    return calib, heldout_ids
 
-    stats_device = args.stats_device or loaded.device
-    with timer("forward_and_statistics"):
-        attn, block, attn_cos, block_cos = collect_statistics(model, loaded.adapter, calib.input_ids,
+
+def memory_budget_bytes(args) -> int:
+    """--memory-budget, or half of the memory available now."""
+    if args.memory_budget is not None:
+        return int(args.memory_budget * 2**30)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        available = 8 * 2**30
+    return available // 2
+
+
+def model_identity(source) -> dict:
+    """What names the model's weights for the resume state (content hash of a GGUF; names, sizes and
+    modification times of a folder's files)."""
+    from nbl_gguf.calibration.weights import folder_identity
+
+    if source.gguf is not None:
+        return {"gguf_sha256": source.gguf.sha256}
+    folder = source.hf_folder()
+    return {"folder": str(Path(folder).resolve()), "files": folder_identity(folder)}
+
+
+def run_streamed(args, source, stream, calib, heldout_ids, targets, m_fixed, budget, stats_device, meter, log):
+    """The layer-streamed calibration and selection: (entries, selection, tensors, details, state). The
+    tensors are read from the state, which the caller closes once the artifact is written."""
+    from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
+    from nbl_gguf.calibration.artifact import LazyTensors
+    from nbl_gguf.calibration.resume import CalibrationState, tokens_digest
+    from nbl_gguf.calibration.stream import (StreamedEvaluator, StreamTimes, calibrate_layers, estimated_state_bytes,
+                                             plan_hidden)
+    from nbl_gguf import __version__
+
+    held = 0 if heldout_ids is None else int(heldout_ids.shape[0])
+    plan = plan_hidden(stream, calib.nsamples, calib.seqlen, held, args.batch_size, targets, memory_budget_bytes(args))
+    log(f"calibration: {stream.name}, {stream.num_layers} layers streamed one at a time, "
+        f"{str(stream.dtype).replace('torch.', '')} on {stream.device}; {plan.reason}")
+    inputs = {"tokens": tokens_digest(calib.input_ids, heldout_ids),
+              "settings": {"dtype": str(stream.dtype), "device": stream.device.split(":")[0], "targets": list(targets),
+                           "batch_size": args.batch_size, "stats_device": str(stats_device).split(":")[0],
+                           "save_covariances": bool(args.save_covariances), "partial": STATISTICS_PARTIAL},
+              "version": __version__}
+    state = CalibrationState.for_model(model_identity(source), inputs, log=log)
+    state.open()
+    try:
+        state.check_space(estimated_state_bytes(stream, calib.nsamples, held, calib.seqlen, targets))
+        times = StreamTimes()
+        with meter("layers"):
+            entries = calibrate_layers(stream, calib.input_ids, heldout_ids, state, batch_size=args.batch_size,
+                                       targets=targets, stats_device=stats_device,
+                                       save_covariances=args.save_covariances, plan=plan,
+                                       progress=not args.no_progress, times=times)
+        evaluator = None
+        with meter("selection"):
+            if heldout_ids is not None:
+                evaluator = StreamedEvaluator.from_state(stream, state, heldout_ids, METHOD_LAYER_TYPE[args.method],
+                                                         args.batch_size)
+            try:
+                selection = select(entries, args, m_fixed, budget, evaluator)
+            finally:
+                if evaluator is not None:
+                    evaluator.close()
+        tensors = LazyTensors([state.layer_tensors(i) for i in range(len(entries))])
+        details = {"stream": times.as_report(), "hidden_states": plan.reason,
+                   "selection_passes": evaluator.passes if evaluator is not None else 0}
+    except BaseException:
+        state.close(finished=False)
+        raise
+    return entries, selection, tensors, details, state
+
+
+def run_whole_model(args, prepared: Prepared, loaded, calib, heldout_ids, targets, m_fixed, budget, stats_device,
+                    meter) -> tuple[list[dict], dict, dict]:
+    """The reference path: the whole model in memory, one forward with every layer hooked."""
+    from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
+    from nbl_gguf.calibration.select import NestedEvaluator
+    from nbl_gguf.calibration.solve import solve_layer
+
+    with meter("forward_and_statistics"):
+        attn, block, attn_cos, block_cos = collect_statistics(loaded.model, loaded.adapter, calib.input_ids,
                                                               args.batch_size, loaded.device, stats_device,
-                                                              targets=targets)
-    with timer("solve"):
-        fits = solve_all(attn, block)
+                                                              progress=not args.no_progress, targets=targets)
+    entries, tensors = [], {}
+    with meter("solve"):
+        for i in range(len(attn)):
+            entry, layer_tensors = solve_layer(i, attn[i], block[i] if block else None, attn_cos[i],
+                                               block_cos[i] if block else None, args.save_covariances)
+            entries.append(entry)
+            tensors.update(layer_tensors)
+    del attn, block
+    with meter("selection"):
+        evaluator = None
+        if heldout_ids is not None:
+            linear = {i: (tensors[f"attn.{i}.weight"], tensors[f"attn.{i}.bias"]) for i in range(len(entries))}
+            evaluator = NestedEvaluator(loaded.model, heldout_ids, METHOD_LAYER_TYPE[args.method], linear,
+                                        args.batch_size)
+        selection = select(entries, args, m_fixed, budget, evaluator)
+    return entries, selection, tensors
 
-    layers = []
-    tensors: dict[str, np.ndarray] = {}
-    for i, (fa, fb) in enumerate(fits):
-        entry = {"index": i}
-        per_target = [("attn", fa, attn_cos[i], attn[i])]
-        if fb is not None:
-            per_target.append(("block", fb, block_cos[i], block[i]))
-        for target, f, cos, acc in per_target:
-            entry[target] = {"cca": f.cca_bound, "nmse": f.nmse, "cosine": cos, "ridge": f.ridge, "cond": f.cond}
-            tensors[f"{target}.{i}.weight"] = f.weight.float().cpu().numpy()
-            tensors[f"{target}.{i}.bias"] = f.bias.float().cpu().numpy()
-            moments = acc.moments()
-            tensors[f"{target}.{i}.mean_x"] = moments.mean_x.cpu().numpy()
-            tensors[f"{target}.{i}.mean_y"] = moments.mean_y.cpu().numpy()
-            tensors[f"{target}.{i}.rho"] = f.rho.cpu().numpy()
-            if args.save_covariances:
-                for name in ("cxx", "cyx", "cyy"):
-                    tensors[f"{target}.{i}.{name}"] = getattr(moments, name).cpu().numpy()
-        nobias = fa.without_bias
-        entry["attn"]["nmse_nobias"] = nobias.nmse
-        entry["attn"]["ridge_nobias"] = nobias.ridge
-        tensors[f"attn.{i}.weight_nobias"] = nobias.weight.float().cpu().numpy()
-        layers.append(entry)
 
-    with timer("selection"):
-        selection = select(model, layers, tensors, args, m_fixed, budget, heldout_ids)
-    report = {
-        "format_version": 1,
-        "model": {"name": loaded.name, "path": loaded.path, "architecture": (config.architectures or ["?"])[0],
-                  "model_type": config.model_type, "hidden_size": d, "num_layers": num_layers,
-                  "dtype": str(loaded.dtype).replace("torch.", ""), "device": loaded.device,
-                  **({"gguf": source.gguf.provenance()} if source.gguf is not None else {})},
-        "data": {"dataset": args.dataset or dataset.DEFAULT_DATASET, "dataset_config": args.dataset_config,
-                 "split": args.split, "nsamples": calib.nsamples, "nsamples_requested": nsamples,
-                 "selection_windows": 0 if heldout_ids is None else int(heldout_ids.shape[0]),
-                 "seqlen": calib.seqlen, "tokens": calib.tokens, "documents": calib.documents,
-                 "sha256": calib.sha256, "seed": args.seed},
-        "statistics": {"device": str(stats_device), "tokens_per_layer": attn[0].n, "covariances_saved": args.save_covariances},
-        "layers": layers,
-        "targets": list(targets),
-        "ranking": {t: {c: ranking([e[t][c] for e in layers]) for c in CRITERIA} for t in targets},
-        "selection": selection,
-        "timings_s": timer.phases,
-        "versions": _versions(),
-    }
-    output = Path(args.output or DEFAULT_OUTPUT_ROOT / loaded.name)
-    write_artifact(output, report, tensors, plot=lambda path: plot_scores(path, report))
-    print(describe_selection(selection, num_layers))
-    print(f"artifact: {output}  ({calib.tokens} tokens, timings {report['timings_s']})")
-    return 0
+@dataclass
+class Settings:
+    """What a calibration is asked for: the `calibrate` command's options, under the same names (the
+    command's parser gives these defaults; tests/test_command_flags.py holds them equal)."""
+
+    model: str | None = None  # HF folder, hub id or GGUF file (None: the embedded model)
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    nsamples: int | None = None  # None: DEFAULT_NSAMPLES of the device
+    seqlen: int = 2048
+    batch_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    memory_budget: float | None = None  # GiB; None: half the available memory
+    whole_model: bool = False
+    stats_device: str | None = None
+    m: int | str | None = None  # a layer count, "auto", or None for default_m
+    max_ppl_increase: float | None = None
+    criterion: str = DEFAULT_CRITERION
+    selection_windows: int | None = None
+    candidates: int | None = None
+    method: str = "attn-nbl"
+    output: str | None = None  # the artifact directory; None: DEFAULT_OUTPUT_ROOT / the model's name
+    seed: int = 0
+    targets: str = "attn,block"
+    save_covariances: bool = False
+    no_progress: bool = False
+    threads: int | None = None  # PyTorch's CPU threads; None: its default
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def calibrate(args: Settings) -> Path:
+    """Calibrate as ``args`` says and write the artifact; returns its directory."""
+    import torch
+
+    from nbl_gguf.calibration import dataset
+    from nbl_gguf.calibration.artifact import plot_scores, write_artifact
+    from nbl_gguf.calibration.solve import ranking
+    from nbl_gguf.model_source import resolve_model
+    from nbl_gguf.usage import StageMeter
+
+    def log(text):
+        print(text, file=sys.stderr)
+
+    targets, m_fixed, budget, needs_heldout = check_arguments(args)
+    # the artifact is written last: a folder it cannot be written in must not cost a calibration first
+    if args.output:
+        check_output_dir(args.output, "-o", renamed_into_place=True)
+    else:
+        check_output_dir(DEFAULT_OUTPUT_ROOT, "the default -o")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise NblError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    meter = StageMeter()
+    loaded = stream = None
+    with meter("load_model"):
+        source = resolve_model(args.model)
+        device = models.resolve_device(args.device)
+        dtype = models.resolve_dtype(args.dtype, device, log=log)
+        if args.whole_model:
+            loaded = models.load_model(str(source.hf_folder()), args.dtype, device, name=source.name)
+            prepared = Prepared(loaded.name, loaded.path, loaded.config, loaded.tokenizer, loaded.device, loaded.dtype,
+                                len(models.decoder_layers(loaded.model)), models.text_config(loaded.config).hidden_size)
+        else:
+            from nbl_gguf.calibration.stream import LayerStream
+
+            stream = LayerStream(source, dtype, device)
+            prepared = Prepared(stream.name, stream.path, stream.config, stream.tokenizer, device, dtype,
+                                stream.num_layers, stream.hidden_size)
+    num_layers, d, config = prepared.num_layers, prepared.hidden_size, prepared.config
+    if m_fixed is None and args.m != "auto":
+        m_fixed = default_m(num_layers)
+    if m_fixed is not None and not 0 <= m_fixed <= num_layers:
+        raise NblError(f"--m {m_fixed} is out of range: the model has {num_layers} layers")
+    nsamples = args.nsamples
+    if nsamples is None:
+        nsamples = DEFAULT_NSAMPLES["cuda" if prepared.device.startswith("cuda") else "cpu"]
+    with meter("load_data"):
+        calib, heldout_ids = load_windows(args, prepared, needs_heldout, nsamples)
+
+    stats_device = args.stats_device or prepared.device
+    state, details = None, {}
+    if args.whole_model:
+        entries, selection, tensors = run_whole_model(args, prepared, loaded, calib, heldout_ids, targets, m_fixed,
+                                                      budget, stats_device, meter)
+    else:
+        entries, selection, tensors, details, state = run_streamed(
+            args, source, stream, calib, heldout_ids, targets, m_fixed, budget, stats_device, meter, log)
+    written = False
+    try:
+        report = {
+            "format_version": 1,
+            "model": {"name": prepared.name, "path": prepared.path, "architecture": (config.architectures or ["?"])[0],
+                      "model_type": config.model_type, "hidden_size": d, "num_layers": num_layers,
+                      "dtype": str(prepared.dtype).replace("torch.", ""), "device": prepared.device,
+                      **({"gguf": source.gguf.provenance()} if source.gguf is not None else {})},
+            "data": {"dataset": args.dataset or dataset.DEFAULT_DATASET, "dataset_config": args.dataset_config,
+                     "split": args.split, "nsamples": calib.nsamples, "nsamples_requested": nsamples,
+                     "selection_windows": 0 if heldout_ids is None else int(heldout_ids.shape[0]),
+                     "seqlen": calib.seqlen, "tokens": calib.tokens, "documents": calib.documents,
+                     "sha256": calib.sha256, "seed": args.seed},
+            "statistics": {"device": str(stats_device), "tokens_per_layer": calib.tokens,
+                           "covariances_saved": args.save_covariances, "partial_sums": STATISTICS_PARTIAL,
+                           "streamed": not args.whole_model, **details},
+            "layers": entries,
+            "targets": list(targets),
+            "ranking": {t: {c: ranking([e[t][c] for e in entries]) for c in CRITERIA} for t in targets},
+            "selection": selection,
+            "timings_s": meter.timings,
+            "resources": meter.stages,
+            "versions": _versions(),
+        }
+        output = Path(args.output or DEFAULT_OUTPUT_ROOT / prepared.name)
+        write_artifact(output, report, tensors, plot=lambda path: plot_scores(path, report))
+        written = True
+    finally:
+        if state is not None:
+            state.close(finished=written)
+    return output
+
+
+def describe_artifact(artifact) -> str:
+    """What a calibration says when it is done: its selection and where the artifact went."""
+    report = artifact.report
+    return (describe_selection(report["selection"], artifact.num_layers) + "\n"
+            + f"artifact: {artifact.path}  ({report['data']['tokens']} tokens, timings {report['timings_s']})")

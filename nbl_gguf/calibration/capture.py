@@ -27,9 +27,12 @@ def _first(output):
 
 @contextmanager
 def capture_activations(model, adapter: ModelAdapter, on_attention: AttentionCallback | None = None,
-                        on_block: BlockCallback | None = None):
+                        on_block: BlockCallback | None = None, only=None):
+    """Hooks on every decoder layer, or on the layers ``only`` (the layer-streamed calibrator's one)."""
     handles = []
     for index, layer in enumerate(decoder_layers(model)):
+        if only is not None and index not in only:
+            continue
         slot: dict[str, torch.Tensor] = {}
 
         def layer_pre(module, args, kwargs, slot=slot):

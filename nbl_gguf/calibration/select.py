@@ -22,10 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from nbl_gguf.calibration.apply import apply_nbl
+from nbl_gguf.calibration.apply import replace_layer
 from nbl_gguf.calibration.layerwise import LayerRunner
 from nbl_gguf.errors import NblError
-from nbl_gguf.models import decoder_layers, get_adapter
 
 DEFAULT_CANDIDATES = 5
 MIN_HELDOUT_TOKENS = 1024  # below this, differences between candidates are mostly noise
@@ -57,25 +56,13 @@ class SelectionTrace:
                 "ppl_increase_pct": self.increases, "stopped": self.stopped}
 
 
-def replace(model, layer: int, layer_type: int, linear):
-    """Replace ``layer`` (apply_nbl) and return the function that puts the original modules back."""
-    adapter = get_adapter(model)
-    block = decoder_layers(model)[layer]
-    saved = {name: getattr(block, name) for name in (adapter.attn, adapter.attn_out_norm) if name}
-    apply_nbl(model, {layer: layer_type}, linear)
-
-    def restore():
-        for name, module in saved.items():
-            setattr(block, name, module)
-
-    return restore
-
-
 class NestedEvaluator:
-    """Held-out loss of ``model`` as layers are replaced one at a time (the model is changed in place).
+    """Held-out loss of ``model`` with sets of layers replaced, the whole model in memory (the
+    reference that the layer-streamed calibration's StreamedEvaluator equals).
 
-    Keeps the input of every layer for every held-out window, so that trying or adding a layer costs
-    one pass through the layers from it on.
+    Keeps the input of every layer for every held-out window, so that a set costs one pass through
+    the layers from its first one on. Both evaluators answer ``losses(sets)``: the selections below
+    ask for every set they need at once, so that a streamed evaluator reads each layer once per call.
     """
 
     def __init__(self, model, heldout_ids, layer_type: int, linear, batch_size: int = 1,
@@ -89,14 +76,12 @@ class NestedEvaluator:
         self.runner = LayerRunner(model, heldout_ids, batch_size)
         self.base_loss, self.inputs = self.runner.run(keep_inputs=True)
         self.tokens = int(heldout_ids.shape[0] * (heldout_ids.shape[1] - 1))
-        self.chosen: list[int] = []
-        self._restores: list = []  # one per chosen layer
-        self._first_inputs = dict(self.inputs)
-        self._inputs_before_last: dict | None = None
 
     def trial(self, *layers: int) -> float:
-        """The loss with ``layers`` replaced on top of the chosen ones, leaving the model as it was."""
-        restores = [replace(self.model, layer, self.layer_type, self.linear) for layer in layers]
+        """The loss with ``layers`` replaced, leaving the model as it was."""
+        if not layers:
+            return self.base_loss
+        restores = [replace_layer(self.model, layer, self.layer_type, self.linear) for layer in layers]
         try:
             first = min(layers)
             return self.runner.loss(first, self.inputs[first])
@@ -104,34 +89,8 @@ class NestedEvaluator:
             for restore in reversed(restores):
                 restore()
 
-    def add(self, layer: int) -> float:
-        """Replace ``layer`` for good (until undo_last) and return the loss."""
-        restore = replace(self.model, layer, self.layer_type, self.linear)
-        try:
-            loss, inputs = self.runner.run(layer, self.inputs[layer], keep_inputs=True)
-        except BaseException:
-            restore()
-            raise
-        self._inputs_before_last = dict(self.inputs)
-        self._restores.append(restore)
-        self.inputs.update(inputs)
-        self.chosen.append(layer)
-        return loss
-
-    def undo_last(self) -> None:
-        """Take back the last add (once)."""
-        self._restores.pop()()
-        self.chosen.pop()
-        self.inputs, self._inputs_before_last = self._inputs_before_last, None
-
-    def reset(self) -> None:
-        """Back to the unmodified model."""
-        for restore in reversed(self._restores):
-            restore()
-        self._restores.clear()
-        self.chosen.clear()
-        self.inputs = dict(self._first_inputs)
-        self._inputs_before_last = None
+    def losses(self, sets) -> list[float]:
+        return [self.trial(*s) for s in sets]
 
 
 def _check_budget(m: int | None, budget: float | None, num_layers: int) -> int:
@@ -147,57 +106,71 @@ def _check_budget(m: int | None, budget: float | None, num_layers: int) -> int:
     return m
 
 
-def walk(evaluator: NestedEvaluator, ranking: list[int], criterion: str, m: int | None = None,
-         budget: float | None = None) -> SelectionTrace:
-    """Add layers in ``ranking`` order: m of them, or (m None) while the increase stays within ``budget``."""
+WALK_CHUNK = 4  # prefixes measured per call while walking with a budget (at most this many past the stop)
+
+
+def walk(evaluator, ranking: list[int], criterion: str, m: int | None = None,
+         budget: float | None = None, chunk: int = WALK_CHUNK) -> SelectionTrace:
+    """Add layers in ``ranking`` order: m of them, or (m None) while the increase stays within ``budget``.
+    The prefixes are measured ``chunk`` at a time (all m at once for a fixed m)."""
     limit = _check_budget(m, budget, len(ranking))
+    order = list(ranking[:limit])
     trace = SelectionTrace(criterion, evaluator.base_loss, evaluator.tokens)
-    for layer in ranking[:limit]:
-        loss = evaluator.add(layer)
-        if m is None and ppl_increase(loss, evaluator.base_loss) > budget:
-            evaluator.undo_last()
-            trace.stopped = (f"adding layer {layer} would raise the held-out perplexity by "
-                             f"{ppl_increase(loss, evaluator.base_loss):+.1f}%, over the budget of {budget:g}%")
-            break
-        trace.losses.append(loss)
-        trace.order.append(layer)
+    step = max(1, len(order) if m is not None else chunk)
+    for start in range(0, len(order), step):
+        prefixes = [order[:stop] for stop in range(start + 1, min(len(order), start + step) + 1)]
+        for prefix, loss in zip(prefixes, evaluator.losses(prefixes)):
+            increase = ppl_increase(loss, evaluator.base_loss)
+            if m is None and increase > budget:
+                trace.stopped = (f"adding layer {prefix[-1]} would raise the held-out perplexity by "
+                                 f"{increase:+.1f}%, over the budget of {budget:g}%")
+                return trace
+            trace.losses.append(loss)
+            trace.order.append(prefix[-1])
     return trace
 
 
-def best_of(evaluator: NestedEvaluator, rankings: dict[str, list[int]], m: int | None = None,
+def best_of(evaluator, rankings: dict[str, list[int]], m: int | None = None,
             budget: float | None = None, walk_first: str | None = None) -> tuple[str, SelectionTrace, dict]:
     """The local criterion whose choice is best on the held-out windows: at a fixed m the one whose m
     layers cost least, with --m auto the one that fits the most layers in the budget (then the least
     loss; ties go to the earlier criterion in ``rankings``). Returns (criterion, its trace,
     {criterion: (layers, ppl increase %)} for every one).
 
-    With --m auto, ``walk_first`` is walked first; a later criterion whose first k layers (k: the most
-    any criterion fitted so far) already exceed the budget cannot fit k, so one trial settles it instead
-    of a walk (its entry then holds those k layers and their increase). This keeps auto with best near
-    the cost of one walk when the first criterion wins, and gives the same choice as walking them all."""
+    With --m auto, ``walk_first`` is walked first; a later criterion whose first k layers (k: the
+    number the first one fitted) already exceed the budget cannot fit k, so one trial settles it
+    instead of a walk (its entry then holds those k layers and their increase). This keeps auto with
+    best near the cost of one walk when the first criterion wins, and gives the same choice as walking
+    them all."""
     compared, traces = {}, {}
     names = sorted(rankings, key=lambda c: c != walk_first)
-    for criterion in names:
-        order = rankings[criterion]
-        if m is not None:
-            _check_budget(m, None, len(order))
-            trace = SelectionTrace(criterion, evaluator.base_loss, evaluator.tokens, order=list(order[:m]))
-            trace.losses = [evaluator.trial(*trace.order)] if m else []
-        else:
-            fitted = max((len(t.order) for t in traces.values()), default=0)
-            increase = ppl_increase(evaluator.trial(*order[:fitted]), evaluator.base_loss) if fitted else None
+    if m is not None:
+        for criterion in names:
+            _check_budget(m, None, len(rankings[criterion]))
+        losses = evaluator.losses([rankings[c][:m] for c in names]) if m else [evaluator.base_loss] * len(names)
+        for criterion, loss in zip(names, losses):
+            trace = SelectionTrace(criterion, evaluator.base_loss, evaluator.tokens, order=list(rankings[criterion][:m]))
+            trace.losses = [loss] if m else []
+            traces[criterion] = trace
+    else:
+        traces[names[0]] = walk(evaluator, rankings[names[0]], names[0], None, budget)
+        fitted = len(traces[names[0]].order)
+        rest = names[1:]
+        trials = evaluator.losses([rankings[c][:fitted] for c in rest]) if fitted else [None] * len(rest)
+        for criterion, loss in zip(rest, trials):
+            increase = None if loss is None else ppl_increase(loss, evaluator.base_loss)
             if increase is not None and increase > budget:
                 trace = SelectionTrace(criterion, evaluator.base_loss, evaluator.tokens)
                 trace.stopped = (f"its first {fitted} layers raise the held-out perplexity by {increase:+.1f}%, "
                                  f"over the budget of {budget:g}%: not walked")
                 traces[criterion] = trace
-                compared[criterion] = (sorted(order[:fitted]), increase)
-                continue
-            trace = walk(evaluator, order, criterion, None, budget)
-            evaluator.reset()
-        traces[criterion] = trace
-        loss = trace.losses[-1] if trace.losses else evaluator.base_loss
-        compared[criterion] = (sorted(trace.order), ppl_increase(loss, evaluator.base_loss))
+                compared[criterion] = (sorted(rankings[criterion][:fitted]), increase)
+            else:
+                traces[criterion] = walk(evaluator, rankings[criterion], criterion, None, budget)
+    for criterion, trace in traces.items():
+        if criterion not in compared:
+            loss = trace.losses[-1] if trace.losses else evaluator.base_loss
+            compared[criterion] = (sorted(trace.order), ppl_increase(loss, evaluator.base_loss))
     compared = {c: compared[c] for c in rankings}
     # a criterion settled by one trial has no layers and some other has more: it cannot be chosen
     chosen = min(traces, key=lambda c: (-len(traces[c].order), compared[c][1], list(rankings).index(c)))
@@ -212,7 +185,7 @@ def interleave(rankings: list[list[int]]) -> list[int]:
     return merged
 
 
-def greedy(evaluator: NestedEvaluator, rankings: list[list[int]], m: int | None = None, budget: float | None = None,
+def greedy(evaluator, rankings: list[list[int]], m: int | None = None, budget: float | None = None,
            candidates: int = DEFAULT_CANDIDATES) -> SelectionTrace:
     """Greedy joint selection: each step adds the candidate (the first ``candidates`` layers not yet
     chosen of the ``rankings`` taken in turn) whose replacement gives the lowest held-out loss."""
@@ -223,13 +196,12 @@ def greedy(evaluator: NestedEvaluator, rankings: list[list[int]], m: int | None 
     trace = SelectionTrace("greedy", evaluator.base_loss, evaluator.tokens)
     while len(trace.order) < limit:
         pool = [layer for layer in order if layer not in trace.order][:candidates]
-        losses = {layer: evaluator.trial(layer) for layer in pool}
+        losses = dict(zip(pool, evaluator.losses([trace.order + [layer] for layer in pool])))
         best = min(pool, key=lambda layer: (losses[layer], layer))
         if m is None and ppl_increase(losses[best], evaluator.base_loss) > budget:
             trace.stopped = (f"the best next layer, {best}, would raise the held-out perplexity by "
                              f"{ppl_increase(losses[best], evaluator.base_loss):+.1f}%, over the budget of {budget:g}%")
             break
-        evaluator.add(best)
         trace.order.append(best)
         trace.losses.append(losses[best])
     return trace

@@ -52,9 +52,10 @@ def _check_tokens(m: Moments) -> None:
                        f"Use at least {d + 1} tokens (more --nsamples or a longer --seqlen)")
 
 
-def _eigh(c: torch.Tensor):
-    values, vectors = torch.linalg.eigh(c)
-    return values.clamp_min(0), vectors
+def _eigvals(c: torch.Tensor) -> torch.Tensor:
+    """Eigenvalues of a symmetric PSD matrix, ascending, clipped at 0 (eigenvalues only: several times
+    cheaper than a full eigendecomposition at d = 4096)."""
+    return torch.linalg.eigvalsh(c).clamp_min(0)
 
 
 def _floor(values: torch.Tensor, rcond: float) -> float:
@@ -66,17 +67,41 @@ def _floor(values: torch.Tensor, rcond: float) -> float:
     return 0.0 if low >= rcond * top else rcond * top - low
 
 
-def _inv_sqrt(values: torch.Tensor, vectors: torch.Tensor, rcond: float) -> torch.Tensor:
-    values = values + _floor(values, rcond)
-    return (vectors / values.sqrt()) @ vectors.T
+def _cond(values: torch.Tensor) -> float:
+    return float(values[-1] / values[0]) if values[0] > 0 else float("inf")
+
+
+def _cholesky(c: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Lower Cholesky factor of C + ridge I. The ridge keeps the smallest eigenvalue at RCOND x the
+    largest, a condition number float64 factors reliably; a factorization that still fails gets a
+    larger ridge rather than an error (it only happens on data that is singular to rounding)."""
+    eye = torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+    extra = 0.0
+    for _ in range(8):
+        factor, info = torch.linalg.cholesky_ex(c + (ridge + extra) * eye)
+        if int(info) == 0:
+            return factor
+        extra = max(extra * 100, float(c.diagonal().abs().max()) * 1e-12, 1e-300)
+    raise NblError("the calibration covariance is not positive definite even with a ridge (NaN in the statistics?)")
+
+
+def _solve_right(b: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """B (L L^T)^-1 for the Cholesky factor L."""
+    return torch.cholesky_solve(b.T, factor).T
 
 
 def canonical_correlations(cxx: torch.Tensor, cyx: torch.Tensor, cyy: torch.Tensor, rcond: float = RCOND,
-                           eig_x=None) -> torch.Tensor:
-    """Singular values of C_YY^-1/2 C_YX C_XX^-1/2 (both sides whitened), clipped to [0, 1]."""
-    wx = _inv_sqrt(*(eig_x or _eigh(cxx)), rcond)
-    wy = _inv_sqrt(*_eigh(cyy), rcond)
-    return torch.linalg.svdvals(wy @ cyx @ wx).clamp(0, 1)
+                           factor_x=None) -> torch.Tensor:
+    """Singular values of C_YY^-1/2 C_YX C_XX^-1/2 (both sides whitened, each with its ridge), clipped to
+    [0, 1], descending. Any whitening gives the same singular values, so the Cholesky factors serve:
+    rho^2 are the eigenvalues of K K^T with K = L_Y^-1 C_YX L_X^-T. ``factor_x``: L_X, when known."""
+    if factor_x is None:
+        factor_x = _cholesky(cxx, _floor(_eigvals(cxx), rcond))
+    factor_y = _cholesky(cyy, _floor(_eigvals(cyy), rcond))
+    k = torch.linalg.solve_triangular(factor_y, cyx, upper=False)
+    k = torch.linalg.solve_triangular(factor_x, k.T, upper=False).T
+    squared = torch.linalg.eigvalsh(k @ k.T).flip(0)
+    return squared[:min(cxx.shape[0], cyy.shape[0])].clamp(0, 1).sqrt()
 
 
 def fit(m: Moments, residual: bool = False, rcond: float = RCOND) -> LinearFit:
@@ -85,31 +110,30 @@ def fit(m: Moments, residual: bool = False, rcond: float = RCOND) -> LinearFit:
     residual=True scores against Y + X (the attention case); W and b always predict Y itself.
     """
     _check_tokens(m)
-    values, vectors = _eigh(m.cxx)
-    cond = float(values[-1] / values[0]) if values[0] > 0 else float("inf")
+    values = _eigvals(m.cxx)
     ridge = _floor(values, rcond)
-    # Symmetric solve through the eigenbasis: W = C_YX V diag(1/(lambda + ridge)) V^T.
-    weight = ((m.cyx @ vectors) / (values + ridge)) @ vectors.T
+    factor = _cholesky(m.cxx, ridge)
+    weight = _solve_right(m.cyx, factor)  # C_YX (C_XX + ridge I)^-1
     bias = m.mean_y - weight @ m.mean_x
     total = float(torch.trace(m.cyy))
     mse = float(torch.trace(m.cyy) - torch.sum(weight * m.cyx))  # Tr(W C_XY) = sum(W * C_YX)
     nmse = max(mse, 0.0) / total if total > 0 else 0.0
     target = m.with_residual() if residual else m
-    rho = canonical_correlations(target.cxx, target.cyx, target.cyy, rcond, eig_x=(values, vectors))
-    return LinearFit(weight, bias, ridge, cond, nmse, float(torch.sum(1 - rho**2)), rho)
+    rho = canonical_correlations(target.cxx, target.cyx, target.cyy, rcond, factor_x=factor)
+    return LinearFit(weight, bias, ridge, _cond(values), nmse, float(torch.sum(1 - rho**2)), rho)
 
 
 def fit_without_bias(m: Moments, rcond: float = RCOND) -> BiasFreeFit:
     """LMMSE map without intercept, W0 = E[Y X^T] E[X X^T]^-1, from the uncentered second moments
-    E[X X^T] = C_XX + mu_x mu_x^T and E[Y X^T] = C_YX + mu_y mu_x^T (same eigen-solve and ridge rule
-    as `fit`). Its NMSE is never below `fit`'s: the difference is what the missing bias costs."""
+    E[X X^T] = C_XX + mu_x mu_x^T and E[Y X^T] = C_YX + mu_y mu_x^T (same solve and ridge rule as
+    `fit`). Its NMSE is never below `fit`'s: the difference is what the missing bias costs."""
     _check_tokens(m)
     sxx = m.cxx + torch.outer(m.mean_x, m.mean_x)
+    sxx = (sxx + sxx.T) / 2
     syx = m.cyx + torch.outer(m.mean_y, m.mean_x)
-    values, vectors = _eigh((sxx + sxx.T) / 2)
-    cond = float(values[-1] / values[0]) if values[0] > 0 else float("inf")
+    values = _eigvals(sxx)
     ridge = _floor(values, rcond)
-    weight = ((syx @ vectors) / (values + ridge)) @ vectors.T
+    weight = _solve_right(syx, _cholesky(sxx, ridge))
     # E||Y - W X||^2 = Tr(S_YY) - 2 Tr(W S_XY) + Tr(W S_XX W^T), exact with or without a ridge
     syy_trace = float(torch.trace(m.cyy) + m.mean_y @ m.mean_y)
     mse = syy_trace - 2 * float(torch.sum(weight * syx)) + float(torch.sum((weight @ sxx) * weight))
@@ -118,7 +142,7 @@ def fit_without_bias(m: Moments, rcond: float = RCOND) -> BiasFreeFit:
         nmse = max(mse, 0.0) / total
     else:  # a constant Y: only its mean is left to predict, which a map without bias may miss
         nmse = 0.0 if mse <= 1e-12 * max(syy_trace, 1e-300) else float("inf")
-    return BiasFreeFit(weight, ridge, cond, nmse)
+    return BiasFreeFit(weight, ridge, _cond(values), nmse)
 
 
 def select_layers(scores, m: int) -> list[int]:
@@ -137,3 +161,48 @@ def select_layers(scores, m: int) -> list[int]:
 def ranking(scores) -> list[int]:
     """All layer indices, most redundant (lowest score) first."""
     return [int(i) for i in np.argsort(np.asarray(scores, dtype=np.float64), kind="stable")]
+
+
+SMALL_SOLVE = 1024  # below this hidden size, a CPU solve runs on one thread (see solve_layer)
+
+
+def solve_layer(index: int, attn, block, attn_cosine: float, block_cosine: float | None,
+                save_covariances: bool = False) -> tuple[dict, dict]:
+    """A layer's artifact record from its accumulators (calibration.statistics): the entry of its
+    scores ({"index", "attn": {...}, "block": {...}}) and its tensors (maps with and without bias,
+    means, canonical correlations; covariances on request). ``block`` may be None."""
+    import dataclasses
+
+    # Multithreaded LAPACK eigh/svd on a small matrix gains little and, on a busy CPU, its spinning
+    # threads slowed it 10-200x in our measurements; one thread is fast and predictable there.
+    small_cpu = attn.device.type == "cpu" and attn.sum_xx.shape[0] <= SMALL_SOLVE
+    threads = torch.get_num_threads()
+    if small_cpu:
+        torch.set_num_threads(1)
+    try:
+        moments = attn.moments()
+        attention = fit(moments, residual=True)
+        attention = dataclasses.replace(attention, without_bias=fit_without_bias(moments))
+        per_target = [("attn", attention, attn_cosine, moments)]
+        if block is not None:
+            block_moments = block.moments()
+            per_target.append(("block", fit(block_moments, residual=False), block_cosine, block_moments))
+    finally:
+        torch.set_num_threads(threads)
+    entry: dict = {"index": index}
+    tensors: dict[str, np.ndarray] = {}
+    for target, f, cosine, m in per_target:
+        entry[target] = {"cca": f.cca_bound, "nmse": f.nmse, "cosine": cosine, "ridge": f.ridge, "cond": f.cond}
+        tensors[f"{target}.{index}.weight"] = f.weight.float().cpu().numpy()
+        tensors[f"{target}.{index}.bias"] = f.bias.float().cpu().numpy()
+        tensors[f"{target}.{index}.mean_x"] = m.mean_x.cpu().numpy()
+        tensors[f"{target}.{index}.mean_y"] = m.mean_y.cpu().numpy()
+        tensors[f"{target}.{index}.rho"] = f.rho.cpu().numpy()
+        if save_covariances:
+            for name in ("cxx", "cyx", "cyy"):
+                tensors[f"{target}.{index}.{name}"] = getattr(m, name).cpu().numpy()
+    nobias = attention.without_bias
+    entry["attn"]["nmse_nobias"] = nobias.nmse
+    entry["attn"]["ridge_nobias"] = nobias.ridge
+    tensors[f"attn.{index}.weight_nobias"] = nobias.weight.float().cpu().numpy()
+    return entry, tensors

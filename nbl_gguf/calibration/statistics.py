@@ -3,7 +3,10 @@
 Only sums are kept (n, sum x, sum y, sum xx^T, sum yx^T, sum yy^T), so memory is O(d^2) per
 layer whatever the token count. Sums are float64 and taken around a fixed shift (the first
 batch's mean): hidden states carry large per-channel offsets, and E[xx^T] - E[x]E[x]^T would
-otherwise cancel away most significant digits.
+otherwise cancel away most significant digits. Each batch's products can be formed in float32
+(``partial=torch.float32``) and then added to the float64 sums: on a CPU the d x d products are most
+of the statistics' cost, and float32 matmuls run several times faster than float64 ones; the
+centered values of one batch (a few thousand rows) lose nothing that matters in float32.
 """
 
 from __future__ import annotations
@@ -14,13 +17,18 @@ import torch
 
 from nbl_gguf.errors import NblError
 
+# the calibrator's per-batch products (both paths): float32 partial sums added to float64 totals
+CALIBRATION_PARTIAL = torch.float32
+
 
 class MomentAccumulator:
     """Sums of a stream of (X [n, dx], Y [n, dy]) row pairs, in float64 on `device`."""
 
-    def __init__(self, dx: int, dy: int, device: str | torch.device = "cpu", name: str = ""):
+    def __init__(self, dx: int, dy: int, device: str | torch.device = "cpu", name: str = "",
+                 partial: torch.dtype = torch.float64):
         self.name = name
         self.device = torch.device(device)
+        self.partial = partial
         self.n = 0
         f64 = dict(dtype=torch.float64, device=self.device)
         self.shift_x = None
@@ -33,24 +41,30 @@ class MomentAccumulator:
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(self.device, torch.float64)
-        y = y.reshape(-1, y.shape[-1]).to(self.device, torch.float64)
+        x = x.reshape(-1, x.shape[-1]).to(self.device, self.partial)
+        y = y.reshape(-1, y.shape[-1]).to(self.device, self.partial)
         if x.shape[0] != y.shape[0]:
             raise ValueError(f"{self.name}: X has {x.shape[0]} rows but Y has {y.shape[0]}")
         if x.shape[0] == 0:
             return
         if self.shift_x is None:
-            # A non-finite first batch would poison the shift; check_finite() reports it later.
-            self.shift_x = torch.nan_to_num(x.mean(0))
-            self.shift_y = torch.nan_to_num(y.mean(0))
-        x = x - self.shift_x
-        y = y - self.shift_y
+            # A non-finite first batch would poison the shift; check_finite() reports it later. The
+            # shift is kept in the partial dtype, so that it is exactly the value subtracted.
+            self.shift_x = torch.nan_to_num(x.double().mean(0)).to(self.partial).double()
+            self.shift_y = torch.nan_to_num(y.double().mean(0)).to(self.partial).double()
+        x = x - self.shift_x.to(self.partial)
+        y = y - self.shift_y.to(self.partial)
         self.n += x.shape[0]
-        self.sum_x += x.sum(0)
-        self.sum_y += y.sum(0)
-        self.sum_xx.addmm_(x.T, x)
-        self.sum_yx.addmm_(y.T, x)
-        self.sum_yy.addmm_(y.T, y)
+        self.sum_x += x.sum(0, dtype=torch.float64)
+        self.sum_y += y.sum(0, dtype=torch.float64)
+        if self.partial == torch.float64:
+            self.sum_xx.addmm_(x.T, x)
+            self.sum_yx.addmm_(y.T, x)
+            self.sum_yy.addmm_(y.T, y)
+        else:
+            self.sum_xx += (x.T @ x).double()
+            self.sum_yx += (y.T @ x).double()
+            self.sum_yy += (y.T @ y).double()
 
     def check_finite(self) -> None:
         """A NaN/inf anywhere in X or Y reaches its column sum, so checking the d-vectors suffices."""

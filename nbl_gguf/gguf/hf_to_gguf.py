@@ -7,15 +7,19 @@ Python, checks its result and turns failures into an :class:`NblError`.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.llamacpp.tools import source_dir
+from nbl_gguf.llamacpp.tools import run_measured, source_dir
 
 OUTTYPES = ("f32", "f16", "bf16")
+# the stock conversion's type by default: the checkpoint's own float type when every weight has it (a
+# 16-bit model converts losslessly at half the bytes of f32: 16 GB instead of 32 for an 8B model, twice over)
+INTERMEDIATE_OF = {"F16": "f16", "BF16": "bf16"}
 
 
 def converter_script() -> Path:
@@ -62,8 +66,7 @@ def convert_hf_to_gguf(model_dir: str | os.PathLike, outfile: str | os.PathLike,
     env.pop("NO_LOCAL_GGUF", None)  # always the pinned tree's gguf-py
     env.setdefault("PYTHONIOENCODING", "utf-8")
     try:
-        completed = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(script.parent),
-                                   timeout=timeout)
+        completed = run_measured(command, "convert_hf_to_gguf.py", env=env, cwd=str(script.parent), timeout=timeout)
         if completed.returncode != 0 or not tmp.is_file():
             raise NblError(f"the llama.cpp converter failed on {model_dir} (exit {completed.returncode}):\n"
                            + _tail(completed.stdout + completed.stderr))
@@ -92,3 +95,33 @@ def _check_gguf(path: Path, model_dir: Path) -> None:
 def _tail(text: str, lines: int = 20) -> str:
     kept = [line for line in text.strip().splitlines() if line.strip()]
     return "\n".join(kept[-lines:])
+
+
+def model_shape(model_dir: Path) -> tuple[int, int]:
+    """(layers, hidden size) from config.json, after checking that the architecture is one we can
+    calibrate and llama.cpp can run with NBL layers, so bad inputs fail before any heavy work."""
+    from nbl_gguf.models import get_adapter
+
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise NblError(f"{model_dir} is not a HF model folder: it has no config.json")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise NblError(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise NblError(f"{config_path} is not a JSON object")
+    get_adapter(config)
+    config = config.get("text_config", config)
+    try:
+        return int(config["num_hidden_layers"]), int(config["hidden_size"])
+    except KeyError as error:
+        raise NblError(f"{config_path} has no {error.args[0]}") from error
+
+
+def default_intermediate(model_dir: Path) -> str:
+    """f16 or bf16 when every float tensor of the checkpoint is stored so, else f32."""
+    from nbl_gguf.calibration.weights import safetensors_dtypes
+
+    stored = {dtype for dtype in safetensors_dtypes(model_dir) if dtype.startswith(("F", "BF"))}
+    return INTERMEDIATE_OF.get(stored.pop(), "f32") if len(stored) == 1 else "f32"

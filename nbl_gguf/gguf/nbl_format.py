@@ -29,6 +29,7 @@ MAX_TAPS = 64  # LLAMA_NBL_MAX_TAPS of the patched llama.cpp
 METHOD_KEY = "nbl.method"
 CRITERION_KEY = "nbl.criterion"
 SCORES_KEY = "nbl.scores"
+SCORES_CRITERION_KEY = "nbl.scores_criterion"  # the local criterion of nbl.scores (best: the one it chose)
 CALIBRATION_KEY = "nbl.calibration"
 
 NBL_WEIGHT = "blk.{layer}.attn_nbl.weight"
@@ -65,6 +66,7 @@ class NblLayers:
     criterion: str | None = None
     scores: Sequence[float] | None = None
     calibration: Mapping | None = None
+    scores_criterion: str | None = None  # what ``scores`` score, when not ``criterion`` itself (best, greedy)
     taps: Mapping = field(default_factory=dict)
 
     @property
@@ -284,7 +286,7 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
         if layers.taps:
             writer.add_uint32(TAPS_KEY.format(arch=arch), layers.n_taps)
         add_provenance(writer, layers)
-        write_tensors(writer, tensors, reader.endianess)
+        write_tensors(writer, tensors, reader.endianess, source=reader)
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
@@ -341,12 +343,15 @@ def add_provenance(writer, layers: NblLayers) -> None:
     if layers.scores is not None:
         writer.add_key_value(SCORES_KEY, [float(v) for v in layers.scores], gguf.GGUFValueType.ARRAY,
                              sub_type=gguf.GGUFValueType.FLOAT32)
+        if layers.scores_criterion or layers.criterion:
+            writer.add_string(SCORES_CRITERION_KEY, layers.scores_criterion or layers.criterion)
     if layers.calibration is not None:
         writer.add_string(CALIBRATION_KEY, json.dumps(layers.calibration, sort_keys=True))
 
 
-def write_tensors(writer, tensors: list, endianess) -> None:
-    """The file after its keys: the infos of ``tensors`` [(name, data, ggml type)], then their data; closes ``writer``."""
+def write_tensors(writer, tensors: list, endianess, source=None) -> None:
+    """The file after its keys: the infos of ``tensors`` [(name, data, ggml type)], then their data; closes
+    ``writer``. ``source``: the GGUFReader whose memory map the copied tensors are views of."""
     for name, data, tensor_type in tensors:
         writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, tensor_type)
     writer.write_header_to_file()
@@ -354,7 +359,26 @@ def write_tensors(writer, tensors: list, endianess) -> None:
     writer.write_ti_data_to_file()
     for _, data, _ in tensors:
         writer.write_tensor_data(data, tensor_endianess=endianess)
+        if source is not None:
+            drop_pages(source, data)
     writer.close()
+
+
+def drop_pages(reader, array: np.ndarray) -> None:
+    """Let the kernel take back the pages of the source file that copying ``array`` read: a mapped
+    page that was touched stays in the process's resident set, so copying a 5 GB model would
+    otherwise grow it by 5 GB (the pages stay in the page cache; nothing is read twice)."""
+    import mmap
+
+    handle = getattr(reader.data, "_mmap", None)
+    base = reader.data.ctypes.data
+    start = array.ctypes.data - base if array.size else -1
+    if handle is None or not hasattr(handle, "madvise") or not 0 <= start < reader.data.nbytes:
+        return
+    page = mmap.PAGESIZE
+    first = start // page * page
+    length = min(start + array.nbytes, reader.data.nbytes) - first
+    handle.madvise(mmap.MADV_DONTNEED, first, length)
 
 
 def quantize_weight(weight: np.ndarray, qtype) -> np.ndarray:

@@ -37,6 +37,13 @@ def _types_of(binary: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def check_quant(quant: str) -> str:
+    """The llama-quantize spelling of ``quant`` (f32/f16/bf16 need no tool)."""
+    if quant.upper() in FLOAT_TYPES:
+        return quant.upper()
+    return normalize_quant(quant)
+
+
 def quant_types() -> tuple[str, ...]:
     """The type names llama-quantize offers (upper case, as it prints them; COPY left out)."""
     return _types_of(str(tool("llama-quantize")))

@@ -201,7 +201,7 @@ def write_stock_gguf(src: str | os.PathLike, dst: str | os.PathLike, layers: Nbl
         writer.add_key_value(LAYER_TYPES_KEY, [int(t) for t in layers.types], gguf.GGUFValueType.ARRAY,
                              sub_type=gguf.GGUFValueType.INT32)
         add_provenance(writer, layers)
-        write_tensors(writer, tensors, reader.endianess)
+        write_tensors(writer, tensors, reader.endianess, source=reader)
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)

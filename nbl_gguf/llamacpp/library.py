@@ -62,6 +62,45 @@ def kv_caches(log: str) -> list[KvCacheInfo]:
     return caches
 
 
+def kv_cache_lines(log: str) -> list[KvCacheInfo]:
+    """Every ``llama_kv_cache: size = ...`` line of a llama.cpp log, in order, one per cache: an iSWA
+    context logs its full-attention cache, then its sliding-window one."""
+    return [KvCacheInfo(cells=int(m.group(2)), layers=int(m.group(3)), k_mib=float(m.group(5)), v_mib=float(m.group(7)))
+            for m in map(_KV_LINE.search, log.splitlines()) if m]
+
+
+def context_kv_caches(path: str | Path, *, n_ctx: int, n_batch: int = 2048, n_ubatch: int = 512, n_seq_max: int = 1,
+                      kv_unified: bool = False, swa_full: bool = False, flash_attn: bool = True,
+                      type_k: str = "f16", type_v: str = "f16") -> list[KvCacheInfo]:
+    """The caches libllama allocates for ``path`` with these context settings (the C API's own
+    defaults but for swa_full, which is llama-cli's here): a model and a context are created and freed."""
+    import llama_cpp
+
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.n_gpu_layers = 0
+    with captured_log() as lines:
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        if not model:
+            raise NblError(f"llama.cpp could not load {path}: " + " | ".join(
+                line.strip() for line in lines if "error" in line.lower() or "failed" in line.lower()))
+        try:
+            params = llama_cpp.llama_context_default_params()
+            params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq_max
+            params.kv_unified, params.swa_full = kv_unified, swa_full
+            # auto, llama-cli's default, creates the cache as flash attention does: V not transposed
+            params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn
+                                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+            params.type_k = getattr(llama_cpp, f"GGML_TYPE_{type_k.upper()}")
+            params.type_v = getattr(llama_cpp, f"GGML_TYPE_{type_v.upper()}")
+            context = llama_cpp.llama_init_from_model(model, params)
+            if not context:
+                raise NblError(f"llama.cpp could not create a context of {n_ctx} for {path}")
+            llama_cpp.llama_free(context)
+        finally:
+            llama_cpp.llama_model_free(model)
+    return kv_cache_lines("".join(lines))
+
+
 @contextlib.contextmanager
 def captured_log() -> Iterator[list[str]]:
     """Collect llama.cpp's log lines (all levels) while the block runs."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -65,7 +64,7 @@ def parse_perplexity(output: str) -> Perplexity:
 
 def run_perplexity_tool(model: str | os.PathLike, args: Sequence[str], parse, *, threads: int | None = None, cwd=None):
     """Run llama-perplexity on ``model`` and parse its output (IncompleteOutput if results are missing)."""
-    from nbl_gguf.llamacpp.tools import tool
+    from nbl_gguf.llamacpp.tools import run_measured, tool
 
     binary = tool("llama-perplexity")
     model = Path(model)
@@ -74,7 +73,7 @@ def run_perplexity_tool(model: str | os.PathLike, args: Sequence[str], parse, *,
     command = [str(binary), "-m", str(model), *map(str, args)]
     if threads:
         command += ["-t", str(threads)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, errors="replace")
+    done = run_measured(command, "llama-perplexity", cwd=cwd, errors="replace")
     output = done.stdout + "\n" + done.stderr
     if done.returncode != 0:
         errors = tool_errors(output) or output.strip().splitlines()[-5:]

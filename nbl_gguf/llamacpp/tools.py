@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
+
+# peak resident sizes of the tools that exited, in order: [(tool, bytes)] (nbl_gguf.usage reads them)
+CHILD_PEAKS: list[tuple[str, int]] = []
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -41,8 +46,39 @@ def tool(name: str) -> Path:
 def run_tool(name: str, args: list[str], **kwargs) -> subprocess.CompletedProcess:
     """Run a llama.cpp tool; a non-zero exit becomes an NblError carrying the tool's last output."""
     # generated text from a random test model need not be valid UTF-8
-    completed = subprocess.run([str(tool(name)), *map(str, args)], capture_output=True, text=True, errors="replace", **kwargs)
+    completed = run_measured([str(tool(name)), *map(str, args)], name, errors="replace", **kwargs)
     if completed.returncode != 0:
         tail = "\n".join((completed.stdout + completed.stderr).strip().splitlines()[-15:])
         raise NblError(f"{name} failed (exit {completed.returncode}):\n{tail}")
     return completed
+
+
+def run_measured(command: list[str], label: str, *, timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)`` that also records the child's peak
+    resident memory (CHILD_PEAKS, from the kernel's accounting when the child is reaped: the
+    tools map their model files, so their peaks are reported apart from the Python process's)."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as process:
+        streams = {}
+        readers = [threading.Thread(target=lambda name=name, pipe=pipe: streams.__setitem__(name, pipe.read()))
+                   for name, pipe in (("stdout", process.stdout), ("stderr", process.stderr))]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                pid, status, usage = os.wait4(process.pid, os.WNOHANG if deadline else 0)
+                if pid:
+                    break
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(command, timeout)
+                time.sleep(0.05)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        finally:
+            for reader in readers:
+                reader.join()
+        process.returncode = os.waitstatus_to_exitcode(status)
+    CHILD_PEAKS.append((label, usage.ru_maxrss * 1024))
+    return subprocess.CompletedProcess(command, process.returncode, streams.get("stdout", ""), streams.get("stderr", ""))

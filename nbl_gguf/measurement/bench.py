@@ -1,4 +1,5 @@
-"""`bench`: speed and KV cache of NBL GGUFs against the stock GGUF of the same model and quant.
+"""`bench`'s measurement: speed and KV cache of NBL GGUFs against the stock GGUF of the same model and quant
+(the command, its model sets and its report: nbl_gguf.commands.bench).
 
 The patched ``llama-bench`` (the same binary runs stock GGUFs unchanged) measures prompt processing
 (pp) and token generation (tg) at several context depths, on every backend built and visible: the
@@ -8,109 +9,19 @@ slows both alike, and each speed-up is the ratio of the two means measured in th
 it stands the speed-up that the roofline model (nbl_gguf.measurement.roofline) predicts from the GGUF files,
 and measured / predicted.
 
-Inputs: explicit files (``--baseline stock.gguf --nbl a.gguf b.gguf``), the embedded model or a HF
-folder (``--model embedded --m 8,12 --quant q4_k_m``; converted with ``convert``, reusing one
-calibration), or a synthetic model of a real shape (``--shape llama-3.2-1b --m 6``).
-Outputs under ``--output-dir``: results.json, measurements.csv, speedups.csv, kv_cache.csv,
-speedup-<backend>.png (speed-up against context, like figure 3 of the paper) and report.md.
-
-This module is the command: its arguments, the model sets and the measurement loop. Running
-llama-bench is in llama_bench, the statistics in speedup, the tables, plots and report in bench_report.
+Running llama-bench is in llama_bench, the statistics in speedup, the tables, plots and report in bench_report.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import re
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from nbl_gguf.errors import NblError
-from nbl_gguf.outputs import check_output_dir
-from nbl_gguf.measurement.bench_report import format_table, hf_markdown, machine_description, write_outputs
-from nbl_gguf.measurement.llama_bench import resolve_backends, run_llama_bench, schedule
-from nbl_gguf.measurement.roofline import ModelCost, check_pair, file_type_name, kv_type_bytes, model_cost
-from nbl_gguf.measurement.speedup import kv_table, speedup_table
+from nbl_gguf.measurement.llama_bench import run_llama_bench, schedule
+from nbl_gguf.measurement.roofline import ModelCost, check_pair, file_type_name, model_cost
 
-
-DEFAULT_DEPTHS = (0, 2048, 8192, 32768)
-
-
-QUICK = dict(model="embedded", m=[8, 12], depths=[0, 512], n_prompt=128, n_gen=32, rounds=2, repetitions=1,
-             calib_nsamples=16, calib_seqlen=256)
-
-
-DEFAULTS = dict(m=[12], depths=list(DEFAULT_DEPTHS), n_prompt=512, n_gen=128, rounds=2, repetitions=2,
-                quant="q4_k_m")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in re.split(r"[,\s]+", text.strip()) if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got '{text}'")
-    return values
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_argument_group("models (one of: explicit files, --model, --shape; default with --quick: embedded)")
-    source.add_argument("--baseline", default=None, metavar="GGUF", help="the stock GGUF")
-    source.add_argument("--nbl", nargs="+", default=None, metavar="GGUF", help="NBL GGUFs of the same model and quant")
-    source.add_argument("--model", default=None,
-                        help="'embedded' (SmolLM2-135M-Instruct) or a HF folder: stock and NBL GGUFs are made "
-                             "with convert")
-    source.add_argument("--shape", default=None,
-                        help="synthetic random-weight model of a real shape: llama-3.1-8b, llama-3.2-1b, smollm2-135m")
-    source.add_argument("--m", type=_int_list, default=None,
-                        help="NBL layer counts for --model/--shape, comma-separated (default: 12; --quick: 8,12)")
-    source.add_argument("--quant", default=None, help="quantization for --model/--shape (default: q4_k_m)")
-    source.add_argument("--calibration", default=None, metavar="ARTIFACT",
-                        help="calibration artifact to reuse for --model (default: made once and cached)")
-    source.add_argument("--calib-nsamples", type=int, default=None,
-                        help="--model without a calibration: windows for the one calibration made (default: "
-                             "calibrate's; --quick: 16; speed does not depend on the calibration's quality)")
-    source.add_argument("--calib-seqlen", type=int, default=None,
-                        help="--model without a calibration: tokens per window (default: calibrate's; --quick: 256)")
-    source.add_argument("--layers", default=None,
-                        help="--shape only: explicit NBL layers per m, e.g. '6:9,10,11,12,13,14' (default: the m "
-                             "layers before the last)")
-    source.add_argument("--work-dir", default=None,
-                        help="where generated GGUFs are kept and reused (default: ~/.cache/nbl-gguf/bench)")
-    source.add_argument("--seed", type=int, default=0)
-
-    bench = parser.add_argument_group("measurement")
-    bench.add_argument("--quick", action="store_true",
-                       help="a few minutes on a CPU: embedded model, m=8,12, -p 128 -n 32, depths 0,512, 2 rounds")
-    bench.add_argument("-p", "--n-prompt", type=int, default=None, help="prompt tokens of a pp test (default: 512)")
-    bench.add_argument("-n", "--n-gen", type=int, default=None, help="generated tokens of a tg test (default: 128)")
-    bench.add_argument("-d", "--depths", type=_int_list, default=None,
-                       help=f"context depths, comma-separated (default: {','.join(map(str, DEFAULT_DEPTHS))})")
-    bench.add_argument("-r", "--repetitions", type=int, default=None,
-                       help="llama-bench repetitions per call (default: 2)")
-    bench.add_argument("--rounds", type=int, default=None,
-                       help="interleaved rounds: each runs every model at every depth, order alternating (default: 2)")
-    bench.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    bench.add_argument("--backends", default="auto",
-                       help="cpu, cuda or both, comma-separated (default: auto = cpu, plus cuda if built and visible)")
-    bench.add_argument("--cache-type", default="f16", help="K and V cache type (default: f16)")
-    bench.add_argument("--bench-args", default="", help="extra llama-bench arguments, e.g. '-fa on -ub 256'")
-    bench.add_argument("--hf-compare", action="store_true",
-                       help="also time the HF transformers model with the same NBL layers (apply_nbl): prefill "
-                            "and decode tokens/s against llama.cpp's pp and tg at depth 0")
-    bench.add_argument("--hf-model", default=None,
-                       help="HF folder for --hf-compare with explicit GGUFs (default: the --model / --shape model)")
-    bench.add_argument("--hf-device", default="auto", help="torch device for --hf-compare (default: cuda if available)")
-    bench.add_argument("--hf-dtype", default="auto", help="torch dtype for --hf-compare (default: bf16 on GPU, fp32 on CPU)")
-    bench.add_argument("-o", "--output-dir", default="bench-results", help="results folder (default: bench-results)")
-    bench.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
-
-
-# --- inputs ------------------------------------------------------------------------------------
 
 @dataclass
 class Candidate:
@@ -132,174 +43,17 @@ class ModelSet:
         return [self.stock, *self.nbl]
 
 
-def apply_presets(args) -> None:
-    explicit = args.baseline is not None or args.nbl is not None
-    if args.quick:
-        if not explicit and args.model is None and args.shape is None:
-            args.model = QUICK["model"]
-        for key in ("m", "depths", "n_prompt", "n_gen", "rounds", "repetitions", "calib_nsamples", "calib_seqlen"):
-            if getattr(args, key) is None:
-                setattr(args, key, QUICK[key])
-    for key, value in DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    sources = sum([explicit, args.model is not None, args.shape is not None])
-    if sources == 0:
-        raise NblError("nothing to measure: give --baseline and --nbl, --model, --shape, or --quick")
-    if sources > 1:
-        raise NblError("give only one of: explicit GGUFs (--baseline/--nbl), --model, --shape")
-    if explicit and (args.baseline is None or not args.nbl):
-        raise NblError("explicit GGUFs need both --baseline STOCK.gguf and --nbl NBL.gguf [...]")
-    for name in ("n_prompt", "n_gen"):
-        if getattr(args, name) < 0:
-            raise NblError(f"--{name.replace('_', '-')} must not be negative")
-    if args.n_prompt == 0 and args.n_gen == 0:
-        raise NblError("-p 0 and -n 0 leave nothing to measure")
-    if args.rounds < 1 or args.repetitions < 1:
-        raise NblError("--rounds and --repetitions must be at least 1")
-    kv_type_bytes(args.cache_type)
-
-
-def work_dir(args) -> Path:
-    if args.work_dir:
-        return Path(args.work_dir)
-    from nbl_gguf.models import cache_dir
-
-    return cache_dir() / "bench"
-
-
-def _parse_layers(text: str | None) -> dict[int, list[int]]:
-    if not text:
-        return {}
-    result = {}
-    for part in text.split(";"):
-        m, _, layers = part.partition(":")
-        try:
-            result[int(m)] = [int(v) for v in layers.split(",") if v.strip()]
-        except ValueError:
-            raise NblError(f"--layers '{text}': expected 'm:i,j,k[;m:...]'") from None
-        if len(result[int(m)]) != int(m):
-            raise NblError(f"--layers: {len(result[int(m)])} layers given for m={m}")
-    return result
-
-
-def explicit_models(args) -> ModelSet:
-    stock = Candidate("stock", Path(args.baseline))
-    nbl = []
-    labels = set()
-    for path in args.nbl:
-        path = Path(path)
-        label = path.stem
-        while label in labels:
-            label += "'"
-        labels.add(label)
-        nbl.append(Candidate(label, path))
-    hf = {"kind": "folder", "path": args.hf_model} if args.hf_model else {}
-    return ModelSet(Path(args.baseline).stem, "", stock, nbl, hf=hf)
-
-
-def shape_models(args, log) -> ModelSet:
-    from nbl_gguf.fixtures import synthetic
-
-    shape = synthetic.get_shape(args.shape)
-    layers = _parse_layers(args.layers)
-    directory = work_dir(args) / "synthetic"
-    stock, nbl = synthetic.make_pair(shape, args.quant, args.m, directory, seed=args.seed, layers=layers,
-                                     threads=args.threads, log=log)
-    return ModelSet(
-        f"synthetic {shape.name}", args.quant, Candidate("stock", stock),
-        [Candidate(f"nbl-m{m}", nbl[m]) for m in args.m],
-        hf={"kind": "shape", "shape": shape.name, "seed": args.seed},
-        commands=[f"synthetic.make_pair({shape.name!r}, {args.quant!r}, m={args.m}, seed={args.seed}) "
-                  f"(random Q8_0 weights by gguf-py -> llama-quantize --allow-requantize)"],
-    )
-
-
-def embedded_models(args, log) -> ModelSet:
-    """Stock and NBL-m GGUFs of a HF model by `convert` (one calibration, made once or given)."""
-    from nbl_gguf.gguf import convert
-    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf
-    from nbl_gguf.gguf.quantize import quantize
-
-    model_dir = convert.resolve_model_dir(args.model)
-    check_hf_folder(model_dir)
-    n_layer, _ = convert.model_shape(model_dir)
-    quant = convert.check_quant(args.quant)
-    for m in args.m:
-        if not 0 < m < n_layer:
-            raise NblError(f"--m {m} is out of range: {model_dir.name} has {n_layer} layers")
-    directory = work_dir(args) / "models" / model_dir.name
-    directory.mkdir(parents=True, exist_ok=True)
-    commands = []
-
-    stock = directory / f"stock-{quant.lower()}.gguf"
-    if not stock.is_file():
-        log(f"{model_dir.name}: stock conversion and llama-quantize {quant}")
-        intermediate = directory / ".stock-f32.gguf"
-        try:
-            convert_hf_to_gguf(model_dir, intermediate, "f32")
-            if quant in convert.FLOAT_OUTPUTS:
-                convert_hf_to_gguf(model_dir, stock, quant.lower())
-            else:
-                quantize(intermediate, stock, quant, threads=args.threads)
-        finally:
-            intermediate.unlink(missing_ok=True)
-    commands.append(f"convert_hf_to_gguf.py {model_dir} --outtype f32 && llama-quantize ... {quant}  -> {stock}")
-
-    calibration = Path(args.calibration) if args.calibration else directory / "calibration"
-    if args.calibration and not calibration.is_dir():
-        raise NblError(f"--calibration {calibration}: no such artifact directory")
-    tag = "" if not args.calibration else f"-cal{abs(_stable_hash(str(calibration.resolve()))) % 100000:05d}"
-    nbl = []
-    for m in args.m:
-        path = directory / f"nbl-m{m}{tag}-{quant.lower()}.gguf"
-        argv = ["--model", str(model_dir), "--m", str(m), "--quant", quant, "-o", str(path), "--no-progress",
-                "--seed", str(args.seed)]
-        if calibration.is_dir():
-            argv += ["--calibration", str(calibration)]
-        else:
-            argv += ["--save-calibration", str(calibration), "--device", "auto"]
-            if args.calib_nsamples:
-                argv += ["--nsamples", str(args.calib_nsamples)]
-            if args.calib_seqlen:
-                argv += ["--seqlen", str(args.calib_seqlen)]
-        if args.threads:
-            argv += ["--threads", str(args.threads)]
-        commands.append("python -m nbl_gguf convert " + " ".join(argv))
-        if not path.is_file():
-            log(f"{model_dir.name}: python -m nbl_gguf convert {' '.join(argv)}")
-            parser = argparse.ArgumentParser()
-            convert.add_arguments(parser)
-            summary = convert.convert(parser.parse_args(argv))
-            log(summary.table())
-        nbl.append(Candidate(f"nbl-m{m}", path))
-    return ModelSet(model_dir.name, quant, Candidate("stock", stock), nbl,
-                    hf={"kind": "folder", "path": str(model_dir)}, commands=commands)
-
-
-def _stable_hash(text: str) -> int:
-    import zlib
-
-    return zlib.crc32(text.encode("utf-8"))
-
-
-def resolve_models(args, log=print) -> ModelSet:
-    if args.baseline is not None or args.nbl is not None:
-        models = explicit_models(args)
-    elif args.shape is not None:
-        models = shape_models(args, log)
-    else:
-        models = embedded_models(args, log)
+def check_models(models: ModelSet) -> ModelSet:
+    """Each file's cost (a missing file or not a GGUF: NblError), each NBL file checked against the stock
+    one (same model and quant), and the set's quant named from the stock file where it was not given."""
     for candidate in models.all():
-        candidate.cost = model_cost(candidate.path)  # missing / not a GGUF -> NblError
+        candidate.cost = model_cost(candidate.path)
     for candidate in models.nbl:
         check_pair(models.stock.cost, candidate.cost)
     if not models.quant:
         models.quant = file_type_name(models.stock.cost.file_type).lower()
     return models
 
-
-# --- the command -------------------------------------------------------------------------------
 
 def measure(models: ModelSet, backends: list[str], args, log) -> tuple[list[dict], list[list[str]]]:
     extra = args.bench_args.split() if args.bench_args else []
@@ -322,70 +76,3 @@ def measure(models: ModelSet, backends: list[str], args, log) -> tuple[list[dict
                 record.update(backend=backend, label=candidate.label, model=str(candidate.path), round=round_index)
                 measurements.append(record)
     return measurements, commands
-
-
-def run(args: argparse.Namespace) -> int:
-    def log(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    apply_presets(args)
-    if args.threads is not None and args.threads < 1:
-        raise NblError("--threads must be at least 1")
-    out = check_output_dir(args.output_dir, "-o")  # before minutes of measuring, not after
-    backends, devices = resolve_backends(args.backends)
-    models = resolve_models(args, log)
-    costs = {c.label: c.cost for c in models.all()}
-    log(f"benchmarking {models.name} {models.quant} on {', '.join(backends)}: "
-        + ", ".join(c.label for c in models.all()) + f"; depths {args.depths}, -p {args.n_prompt} -n {args.n_gen}, "
-        f"{args.rounds} rounds x {args.repetitions} repetitions")
-    started = time.monotonic()
-    measurements, commands = measure(models, backends, args, log)
-    rows = speedup_table(measurements, costs, args.cache_type)
-    kv_rows = kv_table(measurements, costs, args.cache_type)
-
-    hf = None
-    if args.hf_compare:
-        from nbl_gguf.measurement import hf_compare
-
-        hf = hf_compare.compare(models, measurements, args, log)
-
-    title = f"NBL vs stock llama.cpp: {models.name} {models.quant}"
-    result = {
-        "title": title,
-        "command": "python -m nbl_gguf bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
-        "settings": {k: getattr(args, k) for k in ("n_prompt", "n_gen", "depths", "rounds", "repetitions", "threads",
-                                                   "cache_type", "bench_args", "quick")},
-        "backends": backends, "devices": devices,
-        "build": str(__import__("nbl_gguf.llamacpp.tools", fromlist=["bin_dir"]).bin_dir()),
-        "models": [{"label": c.label, "path": str(c.path), "file_type": file_type_name(c.cost.file_type),
-                    "bytes": c.path.stat().st_size, "n_layer": c.cost.n_layer,
-                    "attention_layers": c.cost.attention_layers,
-                    "replaced_layers": [i for i, t in enumerate(c.cost.layer_types) if t != 0],
-                    "weight_bytes_per_token": c.cost.weight_bytes_per_token(),
-                    "kv_bytes_per_token": c.cost.kv_bytes_per_token(args.cache_type),
-                    "block_matmul_params": c.cost.block_matmul_params, "output_params": c.cost.output_params}
-                   for c in models.all()],
-        "made_by": models.commands,
-        "llama_bench_commands": [" ".join(c) for c in commands],
-        "speedups": [asdict(r) | {"meets_target": r.meets_target} for r in rows],
-        "kv_cache": kv_rows,
-        "hf_compare": hf,
-        "measurements": measurements,
-        "machine": machine_description() | {"llama_bench_cpu": measurements[0]["cpu_info"] if measurements else "",
-                                            "llama_bench_gpu": measurements[0]["gpu_info"] if measurements else ""},
-        "elapsed_s": round(time.monotonic() - started, 1),
-    }
-    written = write_outputs(out, result, rows, kv_rows, measurements, not args.no_plot, title)
-    print(title)
-    print(format_table(rows))
-    if kv_rows:
-        print()
-        print("KV cache bytes/token: " + ", ".join(
-            f"{r['model']} {r['bytes_per_token']:,.0f}" + ("" if r["vs_stock"] is None else f" ({r['vs_stock']:.1%})")
-            for r in kv_rows if r["depth"] == kv_rows[0]["depth"] and r["backend"] == kv_rows[0]["backend"]))
-    if hf:
-        print()
-        print(hf_markdown(hf))
-    print()
-    print("wrote " + ", ".join(str(p) for p in written))
-    return 0

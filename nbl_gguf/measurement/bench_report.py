@@ -177,3 +177,16 @@ def hf_markdown(hf: dict) -> str:
     text = markdown_table(["model", "engine", "device", f"prefill t/s ({hf['n_prompt']} tokens)", "vs stock",
                            f"decode t/s ({hf['n_gen']} tokens)", "vs stock"], rows)
     return text + "\n\n" + hf.get("note", "")
+
+
+def format_summary(title: str, rows, kv_rows: list[dict], hf: dict | None, written) -> str:
+    """What `bench` prints: the speed-up table, KV bytes per token, the HF comparison, the files written."""
+    lines = [title, format_table(rows)]
+    if kv_rows:
+        lines += ["", "KV cache bytes/token: " + ", ".join(
+            f"{r['model']} {r['bytes_per_token']:,.0f}" + ("" if r["vs_stock"] is None else f" ({r['vs_stock']:.1%})")
+            for r in kv_rows if r["depth"] == kv_rows[0]["depth"] and r["backend"] == kv_rows[0]["backend"])]
+    if hf:
+        lines += ["", hf_markdown(hf)]
+    lines += ["", "wrote " + ", ".join(str(p) for p in written)]
+    return "\n".join(lines)

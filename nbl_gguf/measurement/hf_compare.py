@@ -94,15 +94,15 @@ def load_hf(models, args, log):
     spec = models.hf
     if not spec:
         raise NblError("--hf-compare with explicit GGUFs needs --hf-model (the HF folder they were converted from)")
-    device = resolve_device(args.hf_device)
+    device = resolve_device(args.device)
     if spec["kind"] == "folder":
-        loaded = load_model(spec["path"], dtype=args.hf_dtype, device=device)
+        loaded = load_model(spec["path"], dtype=args.dtype, device=device)
         return loaded.model, device, loaded.dtype
     from transformers import AutoModelForCausalLM
 
     from nbl_gguf.fixtures.synthetic import get_shape, hf_config
 
-    dtype = resolve_dtype(args.hf_dtype, device)
+    dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(spec.get("seed", 0))
     log(f"hf-compare: random {spec['shape']} in {dtype} on {device}")
     with torch.device(device):

@@ -1,5 +1,6 @@
 """HellaSwag, Winogrande and multiple-choice accuracy of one GGUF through the patched ``llama-perplexity``
-(perplexity itself: nbl_gguf.llamacpp.perplexity); evaluate gives all of them as plain data."""
+(perplexity itself: nbl_gguf.llamacpp.perplexity); evaluate gives all of them as plain data,
+format_results the table `eval` prints."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from nbl_gguf.errors import NblError
 # the perplexity runner lives with the llama.cpp runtime (convert measures its files with it too)
 from nbl_gguf.llamacpp.perplexity import (DEFAULT_CTX, FLOAT as _FLOAT, IncompleteOutput, Perplexity, perplexity,
                                           run_perplexity_tool, tool_errors)
-from nbl_gguf.measurement.tasks import check_hellaswag, check_multiple_choice, prepare_winogrande
+from nbl_gguf.measurement.tasks import TASKS, check_hellaswag, check_multiple_choice, prepare_winogrande
 
 
 # --- results -------------------------------------------------------------------------------------
@@ -177,3 +178,27 @@ def evaluate(model, *, text_file=None, n_ctx=DEFAULT_CTX, chunks=None, batch=Non
         result[task] = {"accuracy": acc.accuracy, "tasks": acc.tasks, "stderr": acc.stderr,
                         "ci95": list(acc.interval), "printed_ci": acc.ci95 is not None}
     return result
+
+
+def format_results(results: list[dict]) -> str:
+    """evaluate()'s results of several GGUFs as a markdown table."""
+    tasks = [t for t in TASKS if any(t in r for r in results)]
+    header = ["model"] + (["PPL"] if any("perplexity" in r for r in results) else []) + tasks
+    rows = []
+    for r in results:
+        row = [Path(r["model"]).name]
+        if "PPL" in header:
+            p = r.get("perplexity")
+            row.append(f"{p['ppl']:.4f} ± {p['error']:.4f}" if p else "")
+        for task in tasks:
+            a = r.get(task)
+            if not a:
+                row.append("")
+            elif a["printed_ci"]:
+                row.append(f"{a['accuracy']:.2f} [{a['ci95'][0]:.2f}, {a['ci95'][1]:.2f}] (n={a['tasks']})")
+            else:
+                row.append(f"{a['accuracy']:.2f} ± {a['stderr']:.2f} (n={a['tasks']})")
+        rows.append(row)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

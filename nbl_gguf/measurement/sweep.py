@@ -1,5 +1,6 @@
-"""`eval --sweep`: baseline vs Attn NBL-m vs Attn DROP-m (GGUF, through llama.cpp, and PyTorch float32)
-vs Block NBL-m (PyTorch only: the GGUF format has no block-level type), for a list of m.
+"""The pieces of `eval --sweep` (the command: nbl_gguf.commands.eval_sweep): baseline vs Attn NBL-m vs
+Attn DROP-m (GGUF, through llama.cpp, and PyTorch float32) vs Block NBL-m (PyTorch only: the GGUF
+format has no block-level type), for a list of m.
 
 One calibration artifact serves every configuration. The stock model is converted to an F32 GGUF
 once; each configuration is the NBL rewrite of it (nbl_format.write_nbl_gguf, as `convert` does),
@@ -10,19 +11,17 @@ determines them, so an interrupted sweep resumes where it stopped. The tables, C
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
-import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nbl_gguf.calibration.artifact import CRITERIA, LOCAL_DEFAULT
 from nbl_gguf.errors import NblError
-from nbl_gguf.measurement.sweep_report import METHOD_LABELS, collect_rows, plot, write_csv, write_markdown
+from nbl_gguf.measurement.sweep_report import METHOD_LABELS
 
 DEFAULT_QUANTS = ("q8_0", "q4_k_m")  # of a HF model; a GGUF model is measured in its own types
 
@@ -99,7 +98,7 @@ def _log(message: str) -> None:
 
 def get_calibration(args, source, work: Path):
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.gguf.convert import calibrate_into
+    from nbl_gguf.calibration.calibrate import Settings, calibrate, describe_artifact
 
     if args.calibration:
         if not Path(args.calibration).is_dir():
@@ -107,19 +106,23 @@ def get_calibration(args, source, work: Path):
         return load_artifact(args.calibration)
     model_dir = source.hf_folder()
     target = work / f"calibration-{args.nsamples}x{args.seqlen}"
+    # Block NBL rows need the block maps too
+    targets = ("attn", "block") if "block-nbl" in args.methods else ("attn",)
     if target.is_dir():
         artifact = load_artifact(target)
         data = artifact.report.get("data", {})
         if (data.get("nsamples_requested") == args.nsamples and data.get("seqlen") == args.seqlen
-                and Path(artifact.report["model"].get("path", "")).resolve() == model_dir.resolve()):
+                and Path(artifact.report["model"].get("path", "")).resolve() == model_dir.resolve()
+                and set(targets) <= set(artifact.targets)):
             _log(f"reusing calibration {target}")
             return artifact
     _log(f"calibrating {model_dir.name}: {args.nsamples} x {args.seqlen} tokens -> {target}")
-    ns = argparse_namespace(dataset=None, dataset_config=None, split="train", text_field="text",
-                            nsamples=args.nsamples, seqlen=args.seqlen, batch_size=1, device="auto", m=None,
-                            method="attn-nbl", criterion="cosine", max_ppl_increase=None, selection_windows=None,
-                            candidates=None, seed=0)
-    return load_artifact(calibrate_into(target, model_dir, ns))
+    settings = Settings(model=str(model_dir), nsamples=args.nsamples, seqlen=args.seqlen, criterion="cosine",
+                        targets=",".join(targets), output=str(target), device=args.device, dtype=args.dtype,
+                        threads=args.threads, no_progress=args.no_progress)
+    artifact = load_artifact(calibrate(settings))
+    print(describe_artifact(artifact))
+    return artifact
 
 
 def best_choices(artifact, source, methods: list[str], ms: list[int], cache, calib_tag: str) -> dict:
@@ -137,39 +140,37 @@ def best_choices(artifact, source, methods: list[str], ms: list[int], cache, cal
     from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
     from nbl_gguf.calibration.calibrate import DEFAULT_SELECTION_TOKENS
     from nbl_gguf.calibration.dataset import load_calibration
-    from nbl_gguf.calibration.select import NestedEvaluator, best_of
+    from nbl_gguf.calibration.select import best_of
     from nbl_gguf.calibration.solve import ranking
-    from nbl_gguf.models import load_model, max_context
+    from nbl_gguf.calibration.stream import LayerStream, StreamedEvaluator
+    from nbl_gguf.models import max_context
 
     data = artifact.report["data"]
     seqlen, fit_windows = int(data["seqlen"]), int(data["nsamples"])
     held = int(data.get("selection_windows") or 0) or -(-DEFAULT_SELECTION_TOKENS // seqlen)
     torch.manual_seed(0)
-    loaded = load_model(str(source.hf_folder()), "fp32", "cpu")
-    windows = load_calibration(loaded.tokenizer, data.get("dataset"), fit_windows + held, seqlen,
+    # the calibration's own compute type, so that the losses (and the choice) repeat calibrate's
+    dtype = getattr(torch, artifact.report["model"].get("dtype") or "float32")
+    stream = LayerStream(source, dtype, "cpu")
+    windows = load_calibration(stream.tokenizer, data.get("dataset"), fit_windows + held, seqlen,
                                config=data.get("dataset_config"), split=data.get("split") or "train",
-                               max_positions=max_context(loaded.config))
+                               max_positions=max_context(stream.config))
     if windows.nsamples <= fit_windows:
         raise NblError(f"--criterion best: the calibration text has no windows left after the {fit_windows} fit "
                        f"windows to choose the layers on")
     heldout = windows.input_ids[fit_windows:]
-    linear = {i: artifact.linear(i, "attn") for i in range(artifact.num_layers)}
     rankings = {c: ranking(artifact.scores(c, "attn")) for c in CRITERIA}
     choices = {}
     for method in methods:
-        evaluator = NestedEvaluator(loaded.model, heldout, METHOD_LAYER_TYPE[method], linear)
+        evaluator = StreamedEvaluator(stream, heldout, METHOD_LAYER_TYPE[method],
+                                      lambda k, _type: artifact.linear(k, "attn"))
         for m in ms:
             _log(f"best: {method} m = {m} on {evaluator.tokens} held-out calibration tokens")
             chosen, _, compared = best_of(evaluator, rankings, m)
             cache.put(keys[(method, m)], {"chosen": chosen, "compared": compared})
             choices[(method, m)] = chosen
+        evaluator.close()
     return choices
-
-
-def argparse_namespace(**kwargs):
-    import argparse
-
-    return argparse.Namespace(**kwargs)
 
 
 def build_configs(artifact, args, n_layer: int, best: dict | None = None) -> tuple[list[Config], list[Config]]:
@@ -226,7 +227,7 @@ class GgufFactory:
 
     def path(self, config: Config, quant: str) -> Path:
         from nbl_gguf.gguf import nbl_format
-        from nbl_gguf.gguf.convert import provenance
+        from nbl_gguf.gguf.from_artifact import provenance
         from nbl_gguf.gguf.quantize import quantize
 
         target = self.directory / f"{config.key}-{quant.lower()}.gguf"
@@ -279,188 +280,3 @@ def bench_pair(baseline: Path, model: Path, bench_args: str, threads: int | None
         kind = "tg" if entry.get("n_gen", 0) else "pp"
         result[who][kind] = (float(entry["avg_ts"]), float(entry["stddev_ts"]))
     return result
-
-
-# --- the sweep -----------------------------------------------------------------------------------
-
-def run_sweep(args) -> int:
-    import gguf as gguf_py
-
-    from nbl_gguf.gguf import nbl_format
-    from nbl_gguf.gguf.convert import check_quant, model_shape
-    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder
-    from nbl_gguf.gguf.inspect import kv_bytes_per_token
-    from nbl_gguf.model_source import is_gguf_file, resolve_model
-    from nbl_gguf.measurement.perplexity import evaluate
-    from nbl_gguf.measurement.tasks import _task_files, check_text
-    from nbl_gguf.calibration.dataset import write_heldout_text
-    from nbl_gguf.measurement.torch_ppl import llama_tokens, prompt_text, torch_perplexity
-
-    started = time.time()
-    gguf_input = is_gguf_file(args.model)
-    if gguf_input and args.quant is not None:
-        raise NblError(f"--quant means nothing for a GGUF --model: every configuration keeps the types of "
-                       f"{Path(args.model).name} (the NBL weights take their layer's attn_output type)")
-    if not gguf_input:
-        quants = [check_quant(q) for q in (DEFAULT_QUANTS if args.quant is None else args.quant)]
-        if not quants:
-            raise NblError("--quant: give at least one type")
-    source = resolve_model(args.model, runnable=nbl_format.SUPPORTED_ARCHITECTURES if gguf_input else None,
-                           calibrating=not args.calibration or not args.no_pytorch)
-    if source.gguf is not None:
-        quants = [source.gguf.file_type]
-        n_layer = source.gguf.n_layer
-    else:
-        check_hf_folder(source.hf_folder())
-        n_layer, _ = model_shape(source.hf_folder())
-    for m in list(args.m) + ([args.criteria_m] if args.criteria_m else []):
-        if not 0 < m <= n_layer:
-            raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
-    task_files = _task_files(args)
-    # absolute: the pinned converter runs in its own directory (hf_to_gguf passes paths through)
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out).resolve() if args.out else work
-    out.mkdir(parents=True, exist_ok=True)
-
-    if args.no_ppl:
-        text_file = None
-    elif args.text:
-        text_file = Path(args.text)
-        check_text(text_file, args.ctx_size)
-    else:
-        text_file = write_heldout_text(work / "heldout.txt")
-
-    artifact = get_calibration(args, source, work)
-    if artifact.num_layers != n_layer:
-        raise NblError(f"the calibration has {artifact.num_layers} layers but {source.name} has {n_layer}")
-    calib_tag = _file_sha(artifact.path / "report.json")
-    factory = GgufFactory(source, artifact, work / f"gguf-{calib_tag}", args.threads)
-    cache = Cache(work / "results.json", args.fresh)
-    best = None
-    if args.criterion == "best":
-        best = best_choices(artifact, source, args.methods, sorted(set(args.m)), cache, calib_tag)
-    main, criteria = build_configs(artifact, args, n_layer, best)
-    text_tag = _file_sha(text_file) if text_file else "none"
-    task_tag = _sha(json.dumps({t: [_file_sha(p), n] for t, (p, n) in task_files.items()}).encode())
-    eval_tag = f"{text_tag}-c{args.ctx_size}-k{args.chunks}-{task_tag}"
-
-    stock_reader = gguf_py.GGUFReader(factory.stock)
-
-    def kv(config: Config) -> tuple[int, int]:
-        return kv_bytes_per_token(stock_reader, [0 if i not in config.layers else 1 for i in range(n_layer)])
-
-    # 1. GGUF evaluations through llama-perplexity (and llama-bench), one configuration at a time so
-    #    that its F32 intermediate can go once all its types are quantized
-    jobs: dict[str, tuple[Config, list[str]]] = {}
-    for config in main:
-        if config.gguf:
-            stock_f32 = config.method == "baseline" and source.gguf is None
-            types = quants[:1] if config.variant and getattr(args, "criteria_first_quant", False) else quants
-            jobs[config.key] = (config, (["F32"] if stock_f32 else []) + types)
-    for config in criteria:
-        jobs.setdefault(config.key, (config, [quants[0]]))
-    results: dict[tuple[str, str], dict] = {}
-    total = sum(len(qs) for _, qs in jobs.values())
-    done = 0
-    for config, config_quants in jobs.values():
-        for quant in config_quants:
-            done += 1
-            key = f"gguf|{calib_tag}|{config.key}|{quant}|{eval_tag}"
-            cached = cache.get(key)
-            if cached is None:
-                path = factory.path(config, quant)
-                _log(f"[{done}/{total}] llama-perplexity {config.label} ({config.criterion}) {quant}")
-                t0 = time.time()
-                cached = evaluate(path, text_file=text_file, n_ctx=args.ctx_size, chunks=args.chunks,
-                                  batch=args.batch_size, threads=args.threads, task_files=task_files)
-                cached["seconds"] = round(time.time() - t0, 1)
-                cached["file_bytes"] = path.stat().st_size
-                cache.put(key, cached)
-            results[(config.key, quant)] = dict(cached)
-        factory.drop_intermediates(config)
-
-    # speed: each GGUF in one llama-bench process with its baseline, back to back, so that the ratio
-    # sees the same machine load (timings on a shared CPU drift by tens of percent over minutes)
-    if not args.no_bench:
-        baseline = main[0]
-        pairs = [(c, q) for c, qs in jobs.values() if c.method != "baseline" for q in qs]
-        base_runs: dict[str, list] = {}
-        for index, (config, quant) in enumerate(pairs, 1):
-            key = f"bench-pair|{calib_tag}|{config.key}|{quant}|{args.bench_args}|{args.threads}"
-            pair = cache.get(key)
-            if pair is None:
-                _log(f"[{index}/{len(pairs)}] llama-bench {config.label} ({config.criterion}) {quant} with its baseline")
-                pair = cache.put(key, bench_pair(factory.path(baseline, quant), factory.path(config, quant),
-                                                 args.bench_args, args.threads))
-            results[(config.key, quant)]["bench"] = pair["model"]
-            results[(config.key, quant)]["bench_baseline"] = pair["baseline"]
-            base_runs.setdefault(quant, []).append(pair["baseline"])
-        for quant, runs in base_runs.items():
-            results[(baseline.key, quant)]["bench"] = {
-                kind: (sum(r[kind][0] for r in runs) / len(runs), sum(r[kind][1] for r in runs) / len(runs))
-                for kind in ("pp", "tg") if all(kind in r for r in runs)}
-
-    # 2. the same configurations in PyTorch float32
-    torch_results: dict[str, dict] = {}
-    if not args.no_pytorch and text_file is not None:
-        loaded = None
-        tokens = bos = None
-        configs = main + [c for c in criteria if c.key not in {x.key for x in main}]
-        for index, config in enumerate(configs, 1):
-            key = f"torch|{calib_tag}|{config.key}|{eval_tag}"
-            cached = cache.get(key)
-            if cached is None:
-                if loaded is None:
-                    import torch
-
-                    from nbl_gguf.models import load_model
-
-                    torch.manual_seed(0)
-                    if args.threads:
-                        torch.set_num_threads(args.threads)
-                    loaded = load_model(str(source.hf_folder()), "fp32", "cpu", name=source.name)
-                    tokens, bos = llama_tokens(factory.stock, prompt_text(text_file))
-                from nbl_gguf.calibration.apply import apply_nbl
-
-                _log(f"[{index}/{len(configs)}] pytorch perplexity {config.label}")
-                t0 = time.time()
-                model = loaded.model if config.method == "baseline" else copy.deepcopy(loaded.model)
-                if config.method != "baseline":
-                    apply_nbl(model, config.apply_types(n_layer), artifact)
-                ppl = torch_perplexity(model, tokens, args.ctx_size, chunks=args.chunks, bos=bos, progress=True)
-                cached = cache.put(key, {**asdict(ppl), "tokens": ppl.tokens, "seconds": round(time.time() - t0, 1)})
-                del model
-            torch_results[config.key] = cached
-
-    # 3. report
-    rows = collect_rows(main, criteria, quants, results, torch_results, kv, task_files)
-    setup = {
-        "command": "python -m nbl_gguf eval " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-        if len(sys.argv) > 1 and sys.argv[1] == "eval" else None,
-        "model": source.name, "n_layer": n_layer, "artifact": artifact.report,
-        "text": str(args.text) if args.text else "held-out C4 (bundled sample, last 44 documents)",
-        "ctx": args.ctx_size, "quants": quants, "criteria_m": args.criteria_m, "criterion": args.criterion,
-        "bench_args": None if args.no_bench else args.bench_args, "threads": args.threads,
-        "machine": f"{platform.machine()}, {_cpu_count()} CPU threads",
-        "elapsed_min": round((time.time() - started) / 60, 1),
-        "eval_min": round(sum(r.get("seconds", 0) for r in results.values()) / 60, 1),
-        "torch_min": round(sum(r.get("seconds", 0) for r in torch_results.values()) / 60, 1),
-        "tasks": {t: (str(p), n) for t, (p, n) in task_files.items()},
-    }
-    ppl_any = next((r for r in results.values() if "perplexity" in r), None)
-    if ppl_any:
-        setup["chunks"] = ppl_any["perplexity"]["chunks"]
-        setup["tokens"] = ppl_any["perplexity"]["tokens"]
-    write_csv(out / "quality.csv", rows)
-    write_markdown(out / "quality.md", rows, setup, main, criteria, quants, task_files)
-    plot(out / "quality.png", rows, quants, task_files, setup)
-    print((out / "quality.md").read_text(encoding="utf-8"))
-    _log(f"wrote {out / 'quality.md'}, quality.csv, quality.png in {setup['elapsed_min']} min")
-    return 0
-
-
-def _cpu_count() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -23,15 +23,10 @@ def prompt_text(path: str | os.PathLike) -> str:
 
 # --- PyTorch perplexity with llama-perplexity's chunking -------------------------------------------
 
-def chunked_nll(logprob_fn, tokens: Sequence[int], n_ctx: int, *, chunks: int | None = None,
-                bos: int | None = None) -> Perplexity:
-    """perplexity.cpp's perplexity(): chunk i is tokens[i n_ctx, (i+1) n_ctx) with its first token
-    replaced by BOS when ``bos`` is given; positions first = n_ctx/2 .. n_ctx-2 predict the next token.
-
-    logprob_fn(chunk) -> log-probabilities [n_ctx, n_vocab] (any array type with numpy conversion).
-    """
-    import numpy as np
-
+def perplexity_chunks(tokens: Sequence[int], n_ctx: int, chunks: int | None = None,
+                      bos: int | None = None) -> list[list[int]]:
+    """perplexity.cpp's chunks: chunk i is tokens[i n_ctx, (i+1) n_ctx) with its first token replaced by
+    BOS when ``bos`` is given; positions n_ctx/2 .. n_ctx-2 of each predict the next token."""
     if n_ctx < 4:
         raise NblError(f"--ctx-size {n_ctx} is too small")
     if len(tokens) < 2 * n_ctx:
@@ -40,23 +35,70 @@ def chunked_nll(logprob_fn, tokens: Sequence[int], n_ctx: int, *, chunks: int | 
     n_chunk = len(tokens) // n_ctx
     if chunks is not None and chunks >= 0:
         n_chunk = min(chunks, n_chunk)
-    first = n_ctx // 2
-    nll = nll2 = 0.0
-    count = 0
+    out = []
     for i in range(n_chunk):
         chunk = list(tokens[i * n_ctx:(i + 1) * n_ctx])
         if bos is not None:
             chunk[0] = bos
+        out.append(chunk)
+    return out
+
+
+def perplexity_of(values, n_chunk: int, n_ctx: int) -> Perplexity:
+    """llama-perplexity's estimate and its standard error from the scored positions' NLLs."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=np.float64).reshape(-1)
+    mean = float(values.mean())
+    var = float((values * values).mean()) - mean * mean
+    ppl = math.exp(mean)
+    return Perplexity(ppl, ppl * math.sqrt(max(var, 0.0) / (len(values) - 1)), n_chunk, n_ctx)
+
+
+def chunked_nll(logprob_fn, tokens: Sequence[int], n_ctx: int, *, chunks: int | None = None,
+                bos: int | None = None) -> Perplexity:
+    """perplexity.cpp's perplexity() (chunks: perplexity_chunks).
+
+    logprob_fn(chunk) -> log-probabilities [n_ctx, n_vocab] (any array type with numpy conversion).
+    """
+    import numpy as np
+
+    first = n_ctx // 2
+    windows = perplexity_chunks(tokens, n_ctx, chunks, bos)
+    values = []
+    for i, chunk in enumerate(windows):
         logprobs = np.asarray(logprob_fn(chunk), dtype=np.float64)
         targets = np.asarray(tokens[i * n_ctx + first + 1:(i + 1) * n_ctx])
-        values = -logprobs[np.arange(first, n_ctx - 1), targets]
-        nll += float(values.sum())
-        nll2 += float((values * values).sum())
-        count += len(values)
-    mean = nll / count
-    var = nll2 / count - mean * mean
-    ppl = math.exp(mean)
-    return Perplexity(ppl, ppl * math.sqrt(max(var, 0.0) / (count - 1)), n_chunk, n_ctx)
+        values.append(-logprobs[np.arange(first, n_ctx - 1), targets])
+    return perplexity_of(np.concatenate(values), len(windows), n_ctx)
+
+
+def streamed_perplexities(source, variants: dict[str, dict[int, int]], linear, tokens: Sequence[int], n_ctx: int, *,
+                          chunks: int | None = None, bos: int | None = None, dtype="fp32", device: str = "cpu",
+                          batch_size: int = 1) -> dict[str, Perplexity]:
+    """torch_perplexity of several variants of a model ({name: {layer: apply.py layer type}}; {} is the
+    model itself) at once, one decoder layer in memory at a time (calibration.stream): each layer is read
+    once for all variants. ``linear(k)`` gives (W, b) of layer k; ``source`` is a model_source.ModelSource."""
+    import torch
+
+    from nbl_gguf import models
+    from nbl_gguf.calibration.stream import LayerStream, run_variants
+
+    stream = LayerStream(source, models.resolve_dtype(dtype, device), device)
+    windows = torch.tensor(perplexity_chunks(tokens, n_ctx, chunks, bos), dtype=torch.long)
+    first = n_ctx // 2
+    finals = run_variants(stream, windows, list(variants.values()), linear, batch_size)
+    stream.load_head()
+    try:
+        results = {}
+        for name, final in zip(variants, finals):
+            # token_nll[:, p] scores the token at p + 1; the window's tokens after its first are the text's
+            values = torch.cat([stream.token_nll(final[start:start + batch_size], windows[start:start + batch_size])
+                                for start in range(0, len(windows), batch_size)])
+            results[name] = perplexity_of(values[:, first:n_ctx - 1].numpy(), len(windows), n_ctx)
+        return results
+    finally:
+        stream.release_head()
 
 
 def llama_tokens(gguf_path, text: str) -> tuple[list[int], int | None]:

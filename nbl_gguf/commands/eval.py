@@ -1,15 +1,15 @@
 """`eval`: perplexity and multiple-choice accuracy of GGUFs through the patched ``llama-perplexity``.
 
     python -m nbl_gguf eval A.gguf B.gguf [--text FILE] [--hellaswag F] [--winogrande F] [--multiple-choice F]
-    python -m nbl_gguf eval --sweep --m 2 4 8 12 --quant q8_0 q4_k_m --out docs/results
+    python -m nbl_gguf eval --sweep --m 2 4 8 12 --quant q8_0 q4_k_m -o docs/results
 
-The first form evaluates the given GGUFs; the sweep builds baseline / Attn NBL-m / Attn DROP-m GGUFs
-from one calibration artifact, evaluates them, evaluates the same configurations (and Block NBL-m)
-in PyTorch float32 with llama-perplexity's chunking, benchmarks speed with llama-bench, and writes
-a markdown table, a CSV and a plot (sweep, sweep_report).
+The first form evaluates the given GGUFs; the sweep (eval_sweep) builds baseline / Attn NBL-m /
+Attn DROP-m GGUFs from one calibration artifact, evaluates them, evaluates the same configurations
+(and Block NBL-m) in PyTorch float32 with llama-perplexity's chunking, benchmarks speed with
+llama-bench, and writes a markdown table, a CSV and a plot.
 
-This module is the command (arguments, the results table); running and parsing llama-perplexity is
-in perplexity, the task-file formats in tasks, the PyTorch perplexity in torch_ppl.
+The stages: llama-perplexity and its tasks (nbl_gguf.measurement.perplexity, tasks), the sweep's
+pieces (nbl_gguf.measurement.sweep, sweep_report, torch_ppl).
 """
 
 from __future__ import annotations
@@ -20,29 +20,25 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nbl_gguf.errors import NblError
-from nbl_gguf.gguf.inspect import open_model_gguf
-from nbl_gguf.outputs import check_output_file
-from nbl_gguf.measurement.perplexity import DEFAULT_CTX, evaluate
-from nbl_gguf.measurement.tasks import TASKS, _task_files, check_text
 from nbl_gguf.calibration.artifact import CRITERIA, DEFAULT_CRITERION
-from nbl_gguf.calibration.dataset import write_heldout_text
+from nbl_gguf.commands import flags
+from nbl_gguf.errors import NblError
+from nbl_gguf.measurement.perplexity import DEFAULT_CTX
 
+SWEEP_GROUP = "sweep (--sweep)"
 
-# --- command line ----------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("models", nargs="*", metavar="GGUF", help="GGUF files to evaluate (not with --sweep)")
     parser.add_argument("--text", default=None,
                         help="perplexity text file (default: the held-out part of the bundled C4 sample)")
     parser.add_argument("--no-ppl", action="store_true", help="skip perplexity")
-    parser.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_CTX,
+    parser.add_argument("-c", "--ctx-size", type=flags.positive_int, default=DEFAULT_CTX, metavar="N",
                         help=f"llama-perplexity context: perplexity chunk size, and the context that "
                              f"multiple-choice tasks are packed into (default: {DEFAULT_CTX})")
     parser.add_argument("--chunks", type=int, default=None, help="perplexity chunks (default: all the text)")
     parser.add_argument("-b", "--batch-size", type=int, default=None, help="llama-perplexity batch size")
-    parser.add_argument("-t", "--threads", type=int, default=None,
-                        help="llama.cpp threads (and PyTorch threads in the sweep; default: the tools' own)")
+    flags.add_threads(parser, "of llama.cpp, and of PyTorch in the sweep (default: the tools' own)")
     parser.add_argument("--hellaswag", default=None, metavar="FILE", help="HellaSwag file (llama.cpp text format)")
     parser.add_argument("--hellaswag-tasks", type=int, default=None, help="HellaSwag tasks (default: all)")
     parser.add_argument("--winogrande", default=None, metavar="FILE", help="Winogrande CSV (llama.cpp format)")
@@ -50,18 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--multiple-choice", default=None, metavar="FILE",
                         help="binary multiple-choice file (llama.cpp format: ARC, MMLU, TruthfulQA, ...)")
     parser.add_argument("--multiple-choice-tasks", type=int, default=None, help="tasks (default: all)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    sweep = parser.add_argument_group("sweep (--sweep)")
+    flags.add_output(parser, "also write the results as JSON to this file; with --sweep: the folder that gets "
+                             "quality.md, quality.csv and quality.png (default: the --work folder)")
+    flags.add_no_progress(parser)
+    sweep = parser.add_argument_group(SWEEP_GROUP)
     sweep.add_argument("--sweep", action="store_true",
                        help="baseline, Attn NBL-m, Attn DROP-m (GGUF and PyTorch) and Block NBL-m (PyTorch) for each m")
-    sweep.add_argument("--model", default=None,
-                       help="HF model or GGUF file (default: embedded SmolLM2-135M-Instruct); a GGUF is the baseline "
-                            "itself and each configuration the NBL surgery on it, in its own types")
-    sweep.add_argument("--calibration", default=None, metavar="ARTIFACT",
-                       help="calibration artifact to use (default: calibrate once into the work dir)")
+    flags.add_model(sweep, "HF model or GGUF file (default: embedded SmolLM2-135M-Instruct); a GGUF is the baseline "
+                           "itself and each configuration the NBL surgery on it, in its own types")
+    flags.add_calibration(sweep, "calibration artifact to use (default: calibrate once into the work dir)")
     sweep.add_argument("--nsamples", type=int, default=32, help="calibration windows when calibrating (default: 32)")
     sweep.add_argument("--seqlen", type=int, default=512, help="calibration window length (default: 512)")
-    sweep.add_argument("--m", type=int, nargs="+", default=[2, 4, 8, 12], help="layers replaced (default: 2 4 8 12)")
+    flags.add_device(sweep, "while the sweep calibrates")
+    flags.add_dtype(sweep, "while the sweep calibrates")
+    flags.add_m_list(sweep, "layers replaced (default: 2 4 8 12)", default=[2, 4, 8, 12])
     sweep.add_argument("--quant", nargs="+", default=None,
                        help="GGUF types of a HF model (default: q8_0 q4_k_m; not with a GGUF --model)")
     sweep.add_argument("--methods", nargs="+", default=["attn-nbl", "attn-drop", "block-nbl"],
@@ -84,49 +82,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--bench-args", default="-p 128 -n 32 -r 2",
                        help="llama-bench arguments for the speed-up (default: '-p 128 -n 32 -r 2')")
     sweep.add_argument("--work", default="out/eval", help="GGUFs, calibration and cached results (default: out/eval)")
-    sweep.add_argument("--out", default=None, help="where quality.md, quality.csv and quality.png go "
-                                                   "(default: the work dir)")
     sweep.add_argument("--fresh", action="store_true", help="ignore cached results in the work dir")
-
-
-def format_results(results: list[dict]) -> str:
-    tasks = [t for t in TASKS if any(t in r for r in results)]
-    header = ["model"] + (["PPL"] if any("perplexity" in r for r in results) else []) + tasks
-    rows = []
-    for r in results:
-        row = [Path(r["model"]).name]
-        if "PPL" in header:
-            p = r.get("perplexity")
-            row.append(f"{p['ppl']:.4f} ± {p['error']:.4f}" if p else "")
-        for task in tasks:
-            a = r.get(task)
-            if not a:
-                row.append("")
-            elif a["printed_ci"]:
-                row.append(f"{a['accuracy']:.2f} [{a['ci95'][0]:.2f}, {a['ci95'][1]:.2f}] (n={a['tasks']})")
-            else:
-                row.append(f"{a['accuracy']:.2f} ± {a['stderr']:.2f} (n={a['tasks']})")
-        rows.append(row)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    # the spelling before -o, kept for the commands recorded in docs/results
+    sweep.add_argument("--out", dest="out_alias", default=None, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.ctx_size < 8:
         raise NblError(f"--ctx-size {args.ctx_size} is too small")
+    if args.out_alias is not None:
+        if not args.sweep:
+            raise NblError(f"--out {args.out_alias} is the sweep's report folder: give -o FILE for the JSON results")
+        if args.output is not None:
+            raise NblError("give -o or --out, not both")
+        args.output = args.out_alias
     if args.sweep:
         if args.models:
             raise NblError("--sweep builds its own GGUFs: pass no GGUF files with it")
-        from nbl_gguf.measurement import sweep
+        from nbl_gguf.commands.eval_sweep import run_sweep
 
-        return sweep.run_sweep(args)
+        return run_sweep(args)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sweep_only = [flag for flag in flags.explicitly_given(parser, args, SWEEP_GROUP) if flag != "--out"]
+    if sweep_only:
+        raise NblError(f"{', '.join(sweep_only)} {'means' if len(sweep_only) == 1 else 'mean'} nothing without "
+                       f"--sweep: eval measures the GGUF files given as they are")
+    return run_files(args)
+
+
+def run_files(args: argparse.Namespace) -> int:
+    """llama-perplexity and the task files on each GGUF given; the table on stdout, -o: JSON too."""
+    from nbl_gguf.calibration.dataset import write_heldout_text
+    from nbl_gguf.gguf.inspect import open_model_gguf
+    from nbl_gguf.measurement.perplexity import evaluate, format_results
+    from nbl_gguf.measurement.tasks import _task_files, check_text
+    from nbl_gguf.outputs import check_output_file
+
     if not args.models:
         raise NblError("no GGUF files given (or use --sweep)")
     for model in args.models:
         open_model_gguf(model)  # missing, truncated, not a GGUF: said here, not by llama-perplexity's log
-    if args.json:
-        check_output_file(args.json, "--json")
+    if args.output:
+        check_output_file(args.output, "-o")
     task_files = _task_files(args)
     if args.no_ppl and not task_files:
         raise NblError("nothing to evaluate: --no-ppl and no task file")
@@ -148,6 +146,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"perplexity: {p['chunks']} chunks of {p['n_ctx']} tokens, {p['tokens']} scored tokens "
               f"({'held-out C4' if not args.text else args.text})")
     print(format_results(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return 0

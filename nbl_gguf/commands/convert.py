@@ -1,0 +1,326 @@
+"""`convert`: HF model or GGUF file -> NBL GGUF in one command.
+
+    HF model:   calibrate (or reuse --calibration)  ->  stock GGUF by the pinned llama.cpp converter
+                (F32/F16)  ->  NBL rewrite (selected layers: attn-nbl = W x + b, attn-drop = nothing)
+                ->  llama-quantize
+    GGUF file:  calibrate on the model transformers dequantizes from it  ->  NBL surgery on the file
+                itself (every other tensor keeps its bytes and type; W in --nbl-type)
+
+Intermediate files live in a temp dir; the output appears only once complete (temp then rename),
+so an interrupted or failed run leaves no partial GGUF. The same inputs and seed give the same bytes.
+
+The stages it runs: nbl_gguf.calibration.calibrate, nbl_gguf.gguf (hf_to_gguf, from_artifact,
+nbl_format / stock_layout, quantize) and llama-perplexity; what it prints: convert_summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from nbl_gguf.calibration.calibrate import Settings, selection_budget
+from nbl_gguf.commands import flags
+from nbl_gguf.commands.convert_summary import Summary, resources_table
+from nbl_gguf.errors import NblError
+from nbl_gguf.gguf.from_artifact import (RUNTIMES, check_method, check_stock_runtime, chosen_layers, gguf_notes,
+                                         linear_map, provenance, recorded_scores, writer)
+from nbl_gguf.gguf.quantize import FLOAT_TYPES, check_quant
+from nbl_gguf.outputs import check_output_dir, check_output_file
+from nbl_gguf.usage import StageMeter
+
+DEFAULT_QUANT = "q4_k_m"
+# the summary's held-out perplexity: a small slice, so that it costs seconds on a small model
+EVAL_CTX = 512
+EVAL_CHUNKS = 8
+SUMMARY_CTX = 4096  # the summary's KV cache figures: at this context, and at the model's training context
+# what the calibration takes from convert's own flags as they are (the rest: calibration_settings)
+CALIBRATION_FLAGS = flags.group_names(flags.add_dataset_arguments, flags.add_compute_arguments,
+                                      flags.add_selection_arguments) + ("batch_size", "method", "seed", "no_progress",
+                                                                        "threads")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    flags.add_model(parser, "HF folder, hub id or GGUF file of a supported model (llama, mistral, qwen2/3, phi3, "
+                            "gemma2/3, ...) (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--quant", default=None,
+                        help="output type of a HF model: any llama-quantize type (q4_k_m, q5_k_m, q8_0, ...) or "
+                             f"f32/f16/bf16 (default: {DEFAULT_QUANT}); a GGUF --model keeps its own types")
+    parser.add_argument("--nbl-type", default=None, metavar="TYPE",
+                        help="GGUF --model only: ggml type of the NBL weights (q8_0, q4_k, f16, ...; default: the type "
+                             "of each replaced layer's attn_output, q8_0 where that cannot hold an n_embd x n_embd matrix)")
+    parser.add_argument("--runtime", default="nbl", choices=list(RUNTIMES),
+                        help="nbl (default): the NBL layout, W x + b, for the patched llama.cpp; stock: llama.cpp's "
+                             "deci architecture with bias-free maps, which unmodified builds run (llama, mistral)")
+    parser.add_argument("--method", default="attn-nbl",
+                        help="attn-nbl (attention -> W x + b) or attn-drop (attention removed); "
+                             "block-nbl is evaluated in PyTorch only")
+    flags.add_selection_arguments(parser)
+    flags.add_dataset_arguments(parser)
+    parser.add_argument("--nsamples", type=int, default=None,
+                        help="calibration windows (default: calibrate's: 256 on CUDA, 32 on a CPU)")
+    parser.add_argument("--seqlen", type=int, default=None, help="tokens per calibration window (default: calibrate's)")
+    parser.add_argument("--batch-size", type=int, default=1, help="calibration windows per forward pass")
+    flags.add_compute_arguments(parser)
+    flags.add_calibration(parser, "reuse a calibration artifact directory (from `calibrate`) instead of calibrating")
+    parser.add_argument("--save-calibration", default=None, metavar="DIR",
+                        help="keep the calibration artifact made by this run in DIR")
+    parser.add_argument("--imatrix", action="store_true",
+                        help="quantize with an importance matrix (llama-imatrix over the calibration text)")
+    parser.add_argument("--imatrix-chunks", type=int, default=64, help="imatrix chunks of 512 tokens (default: 64)")
+    parser.add_argument("--intermediate", default=None, choices=["f32", "f16", "bf16"],
+                        help="HF --model only: type of the stock conversion that is rewritten and quantized "
+                             "(default: the checkpoint's own type when all its weights are f16 or bf16, else f32)")
+    flags.add_threads(parser, "of PyTorch while calibrating and of llama-quantize, llama-imatrix and "
+                              "llama-perplexity (default: theirs)")
+    flags.add_seed(parser, "the calibration and llama-imatrix")
+    flags.add_no_progress(parser)
+    parser.add_argument("--no-eval", action="store_true",
+                        help="skip the held-out perplexity of the stock and NBL files (llama-perplexity)")
+    parser.add_argument("--eval-chunks", type=int, default=EVAL_CHUNKS,
+                        help=f"held-out chunks of {EVAL_CTX} tokens for that perplexity (default: {EVAL_CHUNKS})")
+    flags.add_output(parser, "output GGUF (default: model-nbl.gguf)", default="model-nbl.gguf", metavar="GGUF")
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+def resolve_source(args, method: str):
+    """--model as a ModelSource, with the options that only one kind of input takes checked first."""
+    from nbl_gguf.gguf import nbl_format
+    from nbl_gguf.model_source import is_gguf_file, resolve_model
+
+    if not is_gguf_file(args.model):
+        if args.nbl_type is not None:
+            raise NblError("--nbl-type goes with a GGUF --model (a HF model's NBL weights take --quant's types)")
+        check_quant(args.quant or DEFAULT_QUANT)  # before a hub download
+        return resolve_model(args.model)
+    if args.quant is not None:
+        raise NblError(f"--quant {args.quant} means nothing for a GGUF --model: the NBL file keeps every tensor of "
+                       f"{Path(args.model).name} as it is; --nbl-type chooses the type of the NBL weights")
+    if args.imatrix:
+        raise NblError("--imatrix means nothing for a GGUF --model: nothing is quantized again (the file's own "
+                       "tensors, imatrix-quantized or not, are kept as they are)")
+    if args.intermediate is not None:
+        raise NblError(f"--intermediate {args.intermediate} means nothing for a GGUF --model: no stock conversion is "
+                       f"made (the NBL file is {Path(args.model).name} itself with the replaced attention swapped)")
+    source = resolve_model(args.model, runnable=nbl_format.SUPPORTED_ARCHITECTURES, calibrating=not args.calibration)
+    if args.nbl_type is not None and method == "attn-nbl":
+        nbl_format.parse_weight_type(args.nbl_type, source.gguf.n_embd)
+    return source
+
+
+def calibration_settings(args, directory: Path, model) -> Settings:
+    """The calibration that convert runs (with the same options as `calibrate`) into ``directory``;
+    ``model`` is what calibrate's --model takes (a HF folder, or a GGUF file, which it streams from)."""
+    settings = Settings(model=str(model), output=str(directory),
+                        targets="attn")  # a GGUF replaces attention only: the block fits would cost a third more time
+    for name in CALIBRATION_FLAGS:
+        setattr(settings, name, getattr(args, name))
+    if args.nsamples is not None:
+        settings.nsamples = args.nsamples
+    if args.seqlen is not None:
+        settings.seqlen = args.seqlen
+    return settings
+
+
+def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args) -> dict:
+    """llama-perplexity of the stock and the NBL file on the first chunks of the bundled held-out text
+    (documents never used for calibration)."""
+    from nbl_gguf.calibration.dataset import write_heldout_text
+    from nbl_gguf.llamacpp.perplexity import perplexity
+
+    text = write_heldout_text(tmp / "heldout.txt")
+    results = {name: perplexity(path, text, n_ctx=EVAL_CTX, chunks=args.eval_chunks, threads=args.threads)
+               for name, path in (("stock", stock), ("nbl", nbl))}
+    return {"tokens": results["nbl"].tokens, "chunks": results["nbl"].chunks, "ctx": EVAL_CTX,
+            "stock": results["stock"].ppl, "nbl": results["nbl"].ppl}
+
+
+def imatrix_context(artifact) -> int:
+    seqlen = int(artifact.report.get("data", {}).get("seqlen") or 512)
+    return max(32, min(512, seqlen))
+
+
+def calibration_texts(args, artifact, ctx: int) -> list[str]:
+    """The calibration documents for llama-imatrix: enough for --imatrix-chunks windows of ``ctx`` tokens
+    (llama-imatrix wants at least two windows), at most the whole source."""
+    from nbl_gguf.calibration.dataset import DEFAULT_DATASET, iter_texts
+
+    dataset = args.dataset
+    if args.calibration and dataset is None:
+        recorded = artifact.report.get("data", {}).get("dataset")
+        dataset = None if recorded in (None, DEFAULT_DATASET) else recorded
+    wanted_chars = 8 * ctx * (max(2, args.imatrix_chunks) + 1)  # ~4 characters per token, twice over
+    texts, chars = [], 0
+    for text in iter_texts(dataset, config=args.dataset_config, split=args.split, field=args.text_field):
+        texts.append(text)
+        chars += len(text)
+        if chars >= wanted_chars:
+            break
+    return texts
+
+
+# --- the pipeline ------------------------------------------------------------------------------
+
+def convert(args) -> Summary:
+    import gguf
+    from tqdm import tqdm
+
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.calibration.calibrate import calibrate, describe_artifact
+    from nbl_gguf.gguf import nbl_format
+    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf, default_intermediate, model_shape
+    from nbl_gguf.gguf.inspect import kv_sizes, training_context
+    from nbl_gguf.gguf.quantize import compute_imatrix, quantize
+
+    # cheap checks first: a typo must not cost a calibration
+    method = check_method(args.method)
+    output = Path(args.output)
+    if output.suffix.lower() != ".gguf":
+        raise NblError(f"-o {output}: the output name must end in .gguf")
+    check_output_file(output, "-o")
+    if args.save_calibration:
+        if args.calibration:
+            raise NblError(f"--save-calibration keeps the calibration that this run makes; with --calibration "
+                           f"{args.calibration} it makes none")
+        check_output_dir(args.save_calibration, "--save-calibration", renamed_into_place=True)
+    source = resolve_source(args, method)
+    if source.gguf is not None:
+        if output.resolve() == source.gguf.path.resolve():
+            raise NblError(f"-o {output} is the --model file itself: the NBL file must go elsewhere")
+        quant = source.gguf.file_type
+        n_layer, hidden = source.gguf.n_layer, source.gguf.n_embd
+    else:
+        quant = check_quant(args.quant or DEFAULT_QUANT)
+        check_hf_folder(source.hf_folder())
+        n_layer, hidden = model_shape(source.hf_folder())
+    if args.runtime == "stock":
+        check_stock_runtime(source)
+    m, _ = selection_budget(args.m, args.max_ppl_increase)
+    if m is not None and not 0 <= m <= n_layer:
+        raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
+    if args.calibration and not Path(args.calibration).is_dir():
+        raise NblError(f"--calibration {args.calibration}: no such artifact directory")
+    if args.eval_chunks < 1:
+        raise NblError(f"--eval-chunks must be at least 1, got {args.eval_chunks}")
+
+    steps = ["calibrate" if not args.calibration else "load calibration"]
+    if source.gguf is not None:
+        steps.append("NBL surgery")
+    else:
+        steps += ["stock conversion", "NBL rewrite"]
+        if quant not in FLOAT_TYPES:
+            steps += (["imatrix"] if args.imatrix else []) + ["quantize stock", "quantize NBL"]
+    if not args.no_eval:
+        steps.append("held-out perplexity")
+    progress = tqdm(total=len(steps), desc="convert", unit="step", disable=args.no_progress, file=sys.stderr)
+    meter = StageMeter()
+
+    @contextmanager
+    def stage(name):
+        progress.set_postfix_str(name)
+        with meter(name):
+            yield
+        progress.update()
+
+    with tempfile.TemporaryDirectory(prefix=f".{output.name}.work-", dir=output.parent) as tmp:
+        tmp = Path(tmp)
+        # 1. calibration
+        with stage(steps[0]):
+            if args.calibration:
+                artifact = load_artifact(args.calibration)
+            else:
+                target = Path(args.save_calibration) if args.save_calibration else tmp / "calibration"
+                model = source.gguf.path if source.gguf is not None else source.hf_folder()
+                artifact = load_artifact(calibrate(calibration_settings(args, target, model)))
+                print(describe_artifact(artifact))
+            if artifact.num_layers != n_layer:
+                raise NblError(f"the calibration has {artifact.num_layers} layers but {source.name} has {n_layer}: "
+                               f"it was made for another model")
+            artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
+            if artifact_hidden is not None and int(artifact_hidden) != hidden:
+                raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
+            selected = chosen_layers(artifact, args, method, n_layer)
+            scores, scores_criterion = recorded_scores(artifact, args.criterion)
+            layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
+            types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
+            linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
+            layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion,
+                                          scores=scores, scores_criterion=scores_criterion,
+                                          calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
+        if not args.calibration:
+            # the calibration's own stages, measured inside it (layers, selection, ...)
+            meter.merge(artifact.report.get("resources", {}), prefix="calibrate: ")
+
+        notes = []
+        if source.gguf is not None:
+            # 2. surgery on the user's own file: it is the stock file of the comparison
+            with stage("NBL surgery"):
+                weights = nbl_format.weight_types(source.gguf.path, layers, args.nbl_type)
+                writer(args.runtime)(source.gguf.path, output, layers, weight_type=weights)
+                stock_final = source.gguf.path
+                notes = gguf_notes(source.gguf, weights, args.nbl_type, args.runtime)
+        else:
+            # 2. stock conversion
+            model_dir = source.hf_folder()
+            intermediate = quant.lower() if quant in FLOAT_TYPES else args.intermediate or default_intermediate(model_dir)
+            with stage(steps[1]):
+                stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
+
+            # 3. NBL rewrite
+            final_float = quant in FLOAT_TYPES
+            nbl_path = output if final_float else tmp / f"nbl-{intermediate}.gguf"
+            with stage(steps[2]):
+                writer(args.runtime)(stock, nbl_path, layers, weight_type=intermediate.upper())
+
+            # 4. quantization of both (the stock one only for the size comparison)
+            if final_float:
+                stock_final = stock
+            else:
+                imatrix = None
+                if args.imatrix:
+                    with stage("imatrix"):
+                        ctx = imatrix_context(artifact)
+                        imatrix = compute_imatrix(nbl_path, calibration_texts(args, artifact, ctx),
+                                                  tmp / "imatrix.gguf", ctx=ctx, chunks=args.imatrix_chunks,
+                                                  threads=args.threads, seed=args.seed)
+                with stage("quantize stock"):
+                    stock_final = quantize(stock, tmp / f"stock-{quant}.gguf", quant, threads=args.threads)
+                with stage("quantize NBL"):
+                    quantize(nbl_path, output, quant, imatrix=imatrix, threads=args.threads)
+        heldout = None
+        if not args.no_eval:
+            with stage("held-out perplexity"):
+                heldout = heldout_perplexities(stock_final, output, tmp, args)
+        progress.close()
+        _default_permissions(output)
+
+        stock_reader = gguf.GGUFReader(stock_final)
+        # the KV cache at the summary's context and at the training context, llama-cli's default -c, if longer
+        contexts = sorted({SUMMARY_CTX, max(SUMMARY_CTX, training_context(stock_reader) or 0)})
+        kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types) for n_ctx in contexts}
+        return Summary(heldout=heldout, notes=notes,
+            model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=method,
+            criterion=args.criterion, n_layer=n_layer, replaced=selected,
+            scores=scores if scores_criterion == args.criterion else None,
+            stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
+            kv=kv, output=output, runtime=args.runtime, resources=meter.stages,
+        )
+
+
+def _default_permissions(path: Path) -> None:
+    """Temp files are created 0600; the finished GGUF gets the usual 0666 & ~umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = convert(args)
+    print(summary.table())
+    if summary.resources:
+        print(resources_table(summary.resources))
+    return 0

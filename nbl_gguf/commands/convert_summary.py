@@ -1,0 +1,85 @@
+"""What `convert` prints when it is done: the stock and NBL files side by side (Summary.table) and the
+time and memory of each stage (resources_table)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nbl_gguf.gguf.from_artifact import RUNTIMES
+
+
+@dataclass
+class Summary:
+    model: str
+    quant: str
+    method: str
+    criterion: str
+    n_layer: int
+    replaced: list[int]
+    scores: list[float] | None
+    stock_bytes: int
+    nbl_bytes: int
+    kv: dict  # context -> (stock, NBL) kv_cache.KvSize, as llama-cli allocates the cache
+    output: Path
+    heldout: dict | None = None  # heldout_perplexities(), or None with --no-eval
+    runtime: str = "nbl"
+    extra: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # printed under the table
+    resources: dict = field(default_factory=dict)  # usage.StageMeter.stages of the run
+
+    def table(self) -> str:
+        from nbl_gguf.gguf.inspect import human_bytes
+
+        def change(before, after):
+            return f"{(after - before) / before:+.1%}" if before else ""
+
+        rows = [
+            ("", f"stock {self.quant}", f"NBL {self.quant}", "change"),
+            ("attention layers", str(self.n_layer), str(self.n_layer - len(self.replaced)), f"-{len(self.replaced)}"),
+            ("file size", human_bytes(self.stock_bytes), human_bytes(self.nbl_bytes),
+             change(self.stock_bytes, self.nbl_bytes)),
+        ]
+        for n_ctx, (stock, nbl) in self.kv.items():
+            rows.append((f"KV cache at {n_ctx:,} tokens (F16)", human_bytes(stock.bytes), human_bytes(nbl.bytes),
+                         change(stock.bytes, nbl.bytes)))
+            if "sliding" in stock.caches:
+                # llama.cpp keeps two caches: the window's cells for the sliding layers, every token for the others
+                for name, what in (("global", "global layers"), ("sliding", "sliding-window layers")):
+                    before, after = stock.caches[name], nbl.caches[name]
+                    rows.append((f"  {what}: {after.cells:,} cells", human_bytes(before.bytes), human_bytes(after.bytes),
+                                 change(before.bytes, after.bytes)))
+        if self.heldout:
+            rows.append((f"held-out perplexity ({self.heldout['tokens']:,} tokens)", f"{self.heldout['stock']:.3f}",
+                         f"{self.heldout['nbl']:.3f}", change(self.heldout["stock"], self.heldout["nbl"])))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [f"{self.model}: {self.method} by {self.criterion}, {len(self.replaced)} of {self.n_layer} layers "
+                 f"replaced: {', '.join(map(str, self.replaced)) or 'none'}"]
+        if self.scores is not None:
+            lines.append("  layer scores (" + self.criterion + "): "
+                         + ", ".join(f"{i}={self.scores[i]:.4f}" for i in self.replaced))
+        for index, row in enumerate(rows):
+            lines.append("  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                                          for i, (cell, w) in enumerate(zip(row, widths))))
+            if index == 0:
+                lines.append("  " + "  ".join("-" * w for w in widths))
+        if self.heldout:
+            lines.append(f"  held-out perplexity: llama-perplexity, {self.heldout['chunks']} chunks of "
+                         f"{self.heldout['ctx']} tokens of the bundled C4 documents never used for calibration")
+        lines += [f"  {note}" for note in self.notes]
+        lines.append(f"  layout: {RUNTIMES[self.runtime]}")
+        lines.append(f"  output: {self.output}")
+        return "\n".join(lines)
+
+
+def resources_table(stages: dict) -> str:
+    """Wall time and peak memory of each stage (the calibration's own stages indented under it)."""
+    from nbl_gguf.gguf.inspect import human_bytes
+
+    lines = ["  time and memory (peak resident set of this process; the llama.cpp tools apart):"]
+    for name, record in stages.items():
+        tools = record.get("tools_peak_rss_bytes") or {}
+        extra = "".join(f", {tool} {human_bytes(peak)}" for tool, peak in tools.items())
+        gpu = f", GPU {human_bytes(record['peak_gpu_bytes'])}" if "peak_gpu_bytes" in record else ""
+        lines.append(f"    {name:<32} {record['wall_s']:>9.1f} s  {human_bytes(record['peak_rss_bytes']):>11}{gpu}{extra}")
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""The flags that several commands take, each defined once so that it is spelled, typed and
+defaulted the same everywhere (tests/test_command_flags.py parses every command's parser):
+
+    --model, --seed, --calibration ARTIFACT, -o/--output, --no-progress, -t/--threads N,
+    --device, --dtype, and calibrate's groups that `convert` shares (data, compute, selection).
+
+Each command says in its help what a flag covers there; what it means is the same in all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from nbl_gguf import models
+from nbl_gguf.calibration.artifact import DEFAULT_CRITERION, SELECTIONS
+from nbl_gguf.calibration.calibrate import DEFAULT_M, DEFAULT_MAX_PPL_INCREASE, DEFAULT_SELECTION_TOKENS
+
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_model(parser, help: str) -> None:
+    parser.add_argument("--model", default=None, help=help)
+
+
+def add_seed(parser, what: str = "the calibration") -> None:
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help=f"random seed of {what} (default: 0)")
+
+
+def add_calibration(parser, help: str) -> None:
+    parser.add_argument("--calibration", default=None, metavar="ARTIFACT", help=help)
+
+
+def add_output(parser, help: str, default=None, metavar: str = "PATH") -> None:
+    parser.add_argument("-o", "--output", default=default, metavar=metavar, help=help)
+
+
+def add_no_progress(parser) -> None:
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_threads(parser, what: str) -> None:
+    parser.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N",
+                        help=f"CPU threads {what}")
+
+
+def add_device(parser, what: str = "while calibrating") -> None:
+    parser.add_argument("--device", default="auto",
+                        help=f"where PyTorch runs the model {what}: cuda, cuda:N or cpu (default: cuda if available)")
+
+
+def add_dtype(parser, what: str = "while calibrating") -> None:
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help=f"compute dtype of the model {what} (default: {models.DTYPE_DEFAULT_HELP})")
+
+
+def int_list(text: str) -> list[int]:
+    """'8,12' (or '8 12' within one argument): non-negative whole numbers."""
+    try:
+        values = [int(v) for v in re.split(r"[,\s]+", text.strip()) if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got '{text}'")
+    return values
+
+
+class _Flatten(argparse.Action):
+    """nargs='+' of int_list: '--m 2 4 8', '--m 2,4,8' and '--m 2,4 8' all give [2, 4, 8]."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [value for part in values for value in part])
+
+
+def add_m_list(parser, help: str, default=None) -> None:
+    """--m of the commands that measure several layer counts (bench, eval --sweep)."""
+    parser.add_argument("--m", nargs="+", type=int_list, action=_Flatten, default=default, metavar="M", help=help)
+
+
+# --- calibrate's groups, shared with convert ----------------------------------------------------------
+
+def parse_m(text: str):
+    """--m: a layer count or 'auto' (the largest m within --max-ppl-increase)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers or 'auto', got {text!r}") from None
+
+
+def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
+    """How many layers and which (shared with `convert`)."""
+    parser.add_argument("--m", type=parse_m, default=None,
+                        help=f"number of layers to replace, or 'auto': the largest m whose perplexity increase on "
+                             f"held-out calibration windows stays within --max-ppl-increase "
+                             f"(default: min({DEFAULT_M}, layers - 1))")
+    parser.add_argument("--max-ppl-increase", type=float, default=None, metavar="P",
+                        help=f"with --m auto: the budget, in percent of the unmodified model's held-out perplexity "
+                             f"(default: {DEFAULT_MAX_PPL_INCREASE:g})")
+    parser.add_argument("--criterion", default=DEFAULT_CRITERION, choices=SELECTIONS,
+                        help="how layers are chosen: best (default: the set of cosine, nmse or cca that costs least on "
+                             "held-out calibration windows), cosine, nmse, cca (the NBL paper's CCA bound), or greedy "
+                             "(joint: adds the layer that costs the whole model least on those windows)")
+    parser.add_argument("--selection-windows", type=int, default=None,
+                        help="calibration windows held out from the fit to measure the model for --m auto and "
+                             f"--criterion best/greedy (default: {DEFAULT_SELECTION_TOKENS} tokens' worth)")
+    parser.add_argument("--candidates", type=int, default=None,
+                        help="greedy: layers tried at each step, the first not yet chosen of the cosine and nmse rankings "
+                             "in turn (default: 5)")
+
+
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the calibration text comes from (shared with `convert`)."""
+    parser.add_argument("--dataset", default=None,
+                        help="local .txt/.json/.jsonl/.parquet file or a `datasets` hub name "
+                             "(default: bundled C4 sample, first 256 documents)")
+    parser.add_argument("--dataset-config", default=None, help="hub dataset configuration (e.g. 'en' for allenai/c4)")
+    parser.add_argument("--split", default="train", help="hub dataset split (default: train)")
+    parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
+
+
+def add_compute_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where and how the model runs while calibrating (shared with `convert`)."""
+    add_dtype(parser)
+    add_device(parser)
+    parser.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                        help="host memory (GiB) the layer-streamed calibration plans for: one layer, its statistics "
+                             "and, when they fit, the windows' hidden states (else they go to disk) "
+                             "(default: half the available memory)")
+    parser.add_argument("--whole-model", action="store_true",
+                        help="load the whole model at once instead of one layer at a time (the reference path: "
+                             "same results, memory for every layer)")
+
+
+def group_names(*adders) -> tuple[str, ...]:
+    """The option names (argparse dests) that ``adders`` define: what a command passes on to the
+    calibration as they are."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for add in adders:
+        add(parser)
+    return tuple(action.dest for action in parser._actions)
+
+
+def explicitly_given(parser: argparse.ArgumentParser, args, title: str | None = None) -> list[str]:
+    """The flags (as spelled first) whose value in ``args`` is not their default: of the argument group
+    called ``title``, or of the whole parser."""
+    actions = parser._actions
+    if title is not None:
+        actions = next(group._group_actions for group in parser._action_groups if group.title == title)
+    return [action.option_strings[0] for action in actions
+            if action.option_strings and action.dest != "help"
+            and getattr(args, action.dest, action.default) != action.default]

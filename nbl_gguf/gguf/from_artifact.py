@@ -1,0 +1,181 @@
+"""From a calibration artifact to the NBL layers of a GGUF: which layers (chosen_layers), their maps
+(linear_map) and scores, what the file records about its calibration (provenance), and the writer of
+each layout (--runtime). The `convert` command (nbl_gguf.commands.convert) runs these in order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from nbl_gguf.calibration.artifact import CRITERIA
+from nbl_gguf.errors import NblError
+
+METHODS = ("attn-nbl", "attn-drop")
+# --runtime: which llama.cpp runs the file, and so its layout (docs/gguf-format.md)
+RUNTIMES = {
+    "nbl": "NBL layout: runs on the patched llama.cpp (build/)",
+    "stock": "stock layout (deci architecture, bias-free maps): runs on unmodified llama.cpp builds (deci is upstream "
+             "since 2024-12); the KV saving above needs flash attention (llama.cpp's -fa auto turns it on for CPU)",
+}
+
+
+def check_method(method: str) -> str:
+    if method == "block-nbl":
+        raise NblError("--method block-nbl replaces whole decoder layers, which the NBL GGUF format does not "
+                       "represent: block-level NBL is evaluated in PyTorch only (calibrate / eval); "
+                       "use attn-nbl or attn-drop for a GGUF")
+    if method not in METHODS:
+        raise NblError(f"unknown --method '{method}' (use {', '.join(METHODS)})")
+    return method
+
+
+def chosen_layers(artifact, args, method: str, n_layer: int) -> list[int]:
+    """The layers to replace: the calibration's own choice (made in this run, or --m auto), else the
+    artifact's maps re-ranked for --m / --criterion."""
+    from nbl_gguf.calibration.calibrate import default_m
+
+    selection = artifact.report["selection"]
+    if args.m == "auto":
+        if "max_ppl_increase" not in selection or selection["criterion"] != args.criterion:
+            raise NblError(f"--m auto is decided while calibrating; the calibration in {artifact.path} chose a fixed "
+                           f"m by {selection['criterion']}: calibrate with --m auto --criterion {args.criterion}")
+        if args.max_ppl_increase is not None and args.max_ppl_increase != selection["max_ppl_increase"]:
+            raise NblError(f"the calibration in {artifact.path} chose m within +{selection['max_ppl_increase']:g}%, "
+                           f"not +{args.max_ppl_increase:g}%: calibrate again with that budget")
+        return sorted(artifact.select(None, args.criterion, method))
+    m = default_m(n_layer) if args.m is None else args.m
+    return sorted(artifact.select(m, args.criterion, method))
+
+
+def recorded_scores(artifact, criterion: str) -> tuple[list[float] | None, str | None]:
+    """(nbl.scores, the local criterion they are under): a local criterion's own; with best, those of the
+    criterion it chose (best keeps that criterion's ranking); greedy has none (no per-layer score: its
+    reasons are the held-out losses in the provenance)."""
+    if criterion == "best":
+        criterion = artifact.report["selection"].get("chosen")
+    if criterion not in CRITERIA:
+        return None, None
+    return [float(s) for s in artifact.scores(criterion, "attn")], criterion
+
+
+def linear_map(artifact, layer: int, runtime: str):
+    """(W, b) for a linear layer: the fit with bias for the NBL layout, the bias-free one (b = 0) for the
+    stock layout, whose slot has no bias."""
+    if runtime == "stock":
+        import numpy as np
+
+        weight = artifact.linear_without_bias(layer)
+        return weight, np.zeros(weight.shape[0], dtype=np.float32)
+    return artifact.linear(layer, "attn")
+
+
+def check_stock_runtime(source) -> None:
+    """--runtime stock: refuse, before calibrating, a model that llama.cpp's deci graph cannot run."""
+    from nbl_gguf.gguf import stock_layout
+
+    if source.gguf is None:
+        config = json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
+        stock_layout.check_source_model_type(config.get("model_type"))
+    elif source.gguf.architecture not in stock_layout.SOURCE_ARCHITECTURES:
+        raise NblError(f"--runtime stock writes llama.cpp's deci architecture, which runs llama GGUFs only; "
+                       f"{source.gguf.path.name} is a '{source.gguf.architecture}' model: use --runtime nbl "
+                       f"(the patched llama.cpp)")
+
+
+def writer(runtime: str):
+    from nbl_gguf.gguf import nbl_format, stock_layout
+
+    return {"nbl": nbl_format.write_nbl_gguf, "stock": stock_layout.write_stock_gguf}[runtime]
+
+
+def gguf_notes(source, weights: dict, requested: str | None, runtime: str = "nbl") -> list[str]:
+    """What the summary says about a GGUF input: what was kept, and the NBL weights' types and why."""
+    keys = "all its keys" if runtime == "nbl" else "all its keys (llama.* renamed deci.*)"
+    notes = [f"stock: {source.path.name} itself; the NBL file keeps {keys} and every tensor but the "
+             f"replaced attention, byte for byte"]
+    by_type: dict[tuple, list[int]] = {}
+    for layer, weight in weights.items():
+        by_type.setdefault((weight.name, weight.instead_of, weight.reason), []).append(layer)
+    for (name, instead_of, reason), layers in by_type.items():
+        why = ("--nbl-type" if requested is not None else "their attn_output's type" if instead_of is None else
+               f"their attn_output's {instead_of} cannot hold the {source.n_embd} x {source.n_embd} matrix: {reason}")
+        notes.append(f"NBL weights: {name} in layers {', '.join(map(str, layers))} ({why})")
+    return notes
+
+
+def llama_cpp_commit() -> str | None:
+    from nbl_gguf.llamacpp.tools import REPO_ROOT
+
+    cmake = REPO_ROOT / "CMakeLists.txt"
+    if cmake.is_file():
+        match = re.search(r'NBL_LLAMA_COMMIT\s+"([0-9a-f]+)"', cmake.read_text(encoding="utf-8"))
+        if match:
+            return match.group(1)
+    return None
+
+
+def llama_cpp_patches_sha256() -> str | None:
+    """sha256 over the patch series (each file's name and bytes, in order): with the commit, it names
+    the llama.cpp that this package's tools and the GGUF's reader were built from."""
+    import hashlib
+
+    from nbl_gguf.llamacpp.tools import REPO_ROOT
+
+    patches = sorted((REPO_ROOT / "patches").glob("*.patch"))
+    if not patches:
+        return None
+    digest = hashlib.sha256()
+    for patch in patches:
+        digest.update(patch.name.encode("utf-8") + b"\0" + patch.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _gguf_py_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("gguf")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=None) -> dict:
+    """What the GGUF records about its calibration (no paths or timings: the bytes must be reproducible);
+    ``gguf``: the GGUF file (model_source.GgufFile) the NBL file was made from, by name and sha256."""
+    from nbl_gguf import __version__
+    from nbl_gguf.calibration.dataset import FILE_SUFFIXES
+
+    report = artifact.report
+    data = dict(report.get("data", {}))
+    model = report.get("model", {})
+    dataset = data.get("dataset")
+    if dataset and Path(dataset).suffix.lower() in FILE_SUFFIXES:
+        dataset = Path(dataset).name  # a local file: where it lay is no part of it (text_sha256 is)
+    return {
+        "model": model.get("name") or model_dir.name,
+        "model_type": model.get("model_type"),
+        "dtype": model.get("dtype"),
+        "dataset": dataset,
+        "dataset_config": data.get("dataset_config"),
+        "split": data.get("split"),
+        "nsamples": data.get("nsamples"),
+        "seqlen": data.get("seqlen"),
+        "tokens": data.get("tokens"),
+        "documents": data.get("documents"),
+        "text_sha256": data.get("sha256"),
+        "seed": data.get("seed"),
+        "versions": {**report.get("versions", {}), "nbl_gguf": __version__, "gguf": _gguf_py_version(),
+                     "llama.cpp": llama_cpp_commit(), "llama.cpp patches": llama_cpp_patches_sha256()},
+        **_measured_selection(report.get("selection", {}), layers),
+        **({"source_gguf": gguf.provenance()} if gguf is not None else {}),
+    }
+
+
+def _measured_selection(selection: dict, layers: list[int] | None) -> dict:
+    """Why these layers, when they are the calibration's --m auto or greedy choice (held-out losses)."""
+    if layers is None or "heldout" not in selection or sorted(selection.get("layers", [])) != sorted(layers):
+        return {}
+    keys = ("method", "criterion", "m", "max_ppl_increase", "heldout")
+    return {"selection": {key: selection[key] for key in keys if key in selection}}

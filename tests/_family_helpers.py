@@ -1,0 +1,62 @@
+"""Tiny random models of each supported family (tests of the converter and of the calibrator)."""
+
+from __future__ import annotations
+
+N_LAYER, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4, 64, 4, 2, 16
+
+# family: (config class, model class, GGUF architecture, extra config)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", dict(tie_word_embeddings=False, head_dim=HEAD_DIM)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "llama", dict(tie_word_embeddings=False, sliding_window=None)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "llama", dict(tie_word_embeddings=False, sliding_window=None,
+                                                                    num_local_experts=4, num_experts_per_tok=2)),
+    # partial rotary as in Phi-4-mini; the converter wants original_max_position_embeddings
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", dict(tie_word_embeddings=False, partial_rotary_factor=0.5,
+                                                          original_max_position_embeddings=256)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", "smollm3", dict(tie_word_embeddings=True)),  # NoPE every 4th layer
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2", dict(tie_word_embeddings=True, head_dim=HEAD_DIM,
+                                                                 query_pre_attn_scalar=HEAD_DIM, sliding_window=512)),
+    # sliding-window layers (iSWA cache) with a window longer than the test; llama.cpp scales Q by 1/sqrt(head_dim)
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3", dict(tie_word_embeddings=True, head_dim=HEAD_DIM,
+                                                                           query_pre_attn_scalar=HEAD_DIM,
+                                                                           sliding_window=512)),
+    # image-text Gemma 3 (4B and up): the same decoder, nested beside a vision tower (see family_config)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForConditionalGeneration", "gemma3", dict(head_dim=HEAD_DIM,
+                                                                                    query_pre_attn_scalar=HEAD_DIM,
+                                                                                    sliding_window=512)),
+}
+
+
+def family_config(family: str, tokenizer):
+    import transformers
+
+    config_name, _, _, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYER,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256, rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id, **extra)
+    if family == "gemma3":
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=32, patch_size=8)
+        config = transformers.Gemma3Config(text_config=config.to_dict(), vision_config=vision.to_dict(),
+                                           mm_tokens_per_image=4, image_token_index=len(tokenizer) - 1,
+                                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                           pad_token_id=tokenizer.eos_token_id)
+    return config
+
+
+def random_family_model(family: str, tokenizer, seed: int = 0):
+    """A random model of the family, norms and biases perturbed (init leaves norms at 1 and biases at
+    0, so that a dropped Q/K norm or bias would not show)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[family][1])(family_config(family, tokenizer)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(0.2 * torch.randn_like(param))
+    return model

@@ -1,0 +1,439 @@
+"""The layer-streamed calibration (the default) against the whole-model pass (--whole-model), the
+reference it must equal: statistics, maps, scores and chosen layers, for every supported family and
+the embedded model read from its GGUF; its memory plan, its resume after a kill, its disk errors."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
+from _family_helpers import FAMILIES, random_family_model
+from nbl_gguf.commands import calibrate
+from nbl_gguf.calibration.artifact import CRITERIA, load_artifact
+from nbl_gguf.errors import NblError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test its own resume states."""
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+
+
+def run_calibrate(*argv):
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    return calibrate.run(parser.parse_args([str(a) for a in argv] + ["--no-progress"]))
+
+
+def assert_same_calibration(streamed, whole, tolerance=1e-6):
+    """Every tensor within ``tolerance`` (relative to its largest value), every score likewise, the
+    same selection; returns the largest relative difference seen."""
+    assert sorted(streamed.tensors) == sorted(whole.tensors)
+    worst = 0.0
+    for name in whole.tensors:
+        a, b = streamed.tensors[name], whole.tensors[name]
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
+    assert worst < tolerance
+    for a, b in zip(streamed.report["layers"], whole.report["layers"]):
+        for target in streamed.targets:
+            for criterion in CRITERIA + ("nmse_nobias",) if target == "attn" else CRITERIA:
+                assert a[target][criterion] == pytest.approx(b[target][criterion], rel=tolerance, abs=1e-12)
+    sa, sb = streamed.report["selection"], whole.report["selection"]
+    assert sa["layers"] == sb["layers"] and sa.get("chosen") == sb.get("chosen")
+    if "heldout" in sb:
+        assert sa["heldout"]["order"] == sb["heldout"]["order"]
+        np.testing.assert_allclose(sa["heldout"]["ppl"], sb["heldout"]["ppl"], rtol=tolerance)
+        assert sa["heldout"]["base_ppl"] == pytest.approx(sb["heldout"]["base_ppl"], rel=tolerance)
+    return worst
+
+
+def both_paths(tmp_path, *argv):
+    run_calibrate(*argv, "-o", tmp_path / "streamed")
+    run_calibrate(*argv, "--whole-model", "-o", tmp_path / "whole")
+    streamed, whole = load_artifact(tmp_path / "streamed"), load_artifact(tmp_path / "whole")
+    assert streamed.report["statistics"]["streamed"] and not whole.report["statistics"]["streamed"]
+    return streamed, whole
+
+
+# --- every family, from HF folders ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def calibration_text(tmp_path_factory):
+    from nbl_gguf.calibration.dataset import heldout_texts
+
+    path = tmp_path_factory.mktemp("text") / "text.json"
+    path.write_text(json.dumps(heldout_texts()), encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_streamed_equals_whole_model_for_every_family(family, tmp_path, calibration_text):
+    from transformers import AutoTokenizer
+
+    from nbl_gguf import models
+
+    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
+    folder = tmp_path / family
+    random_family_model(family, tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # best measures the three local choices on held-out windows: the streamed evaluator runs them
+    streamed, whole = both_paths(tmp_path, "--model", folder, "--dataset", calibration_text, "--nsamples", 5,
+                                 "--seqlen", 64, "--batch-size", 2, "--selection-windows", 16, "--m", 2,
+                                 "--dtype", "fp32", "--targets", "attn,block")
+    assert_same_calibration(streamed, whole)
+
+
+def test_auto_and_greedy_streamed_equal_whole_model(tmp_path, calibration_text):
+    """--m auto walks prefixes in chunks and greedy measures candidates side by side: the streamed
+    evaluator forks hidden-state tracks for both, and must agree with the whole model's losses."""
+    from transformers import AutoTokenizer
+
+    from nbl_gguf import models
+
+    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
+    folder = tmp_path / "llama"
+    model = tiny_model(layers=6, hidden=48, vocab=len(tokenizer), seed=3)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    common = ["--model", folder, "--dataset", calibration_text, "--nsamples", 4, "--seqlen", 64,
+              "--selection-windows", 16, "--dtype", "fp32", "--targets", "attn"]
+    for name, extra in (("auto", ["--m", "auto", "--max-ppl-increase", 3]), ("greedy", ["--criterion", "greedy", "--m", 3])):
+        streamed, whole = both_paths(tmp_path / name, *common, *extra)
+        assert_same_calibration(streamed, whole)
+        assert streamed.report["selection"]["heldout"]["order"], name
+
+
+# --- the embedded model, streamed from its GGUF -------------------------------------------------------
+
+@pytest.mark.slow
+def test_embedded_gguf_streamed_equals_whole_model(tmp_path):
+    """Streaming from the GGUF (per-tensor reads, ggml's dequantization, transformers' tensor
+    processing) equals the whole model that transformers dequantizes from the same file."""
+    from nbl_gguf import models
+
+    gguf = models.embedded_gguf_path()
+    streamed, whole = both_paths(tmp_path, "--model", gguf, "--nsamples", 6, "--seqlen", 128,
+                                 "--selection-windows", 8, "--m", 4, "--dtype", "fp32", "--targets", "attn")
+    assert_same_calibration(streamed, whole)
+    assert streamed.report["model"]["gguf"]["sha256"] == whole.report["model"]["gguf"]["sha256"]
+
+
+def test_gguf_source_reads_the_tensors_transformers_loads():
+    """Every parameter of a layer, the embedding rows and the head, as transformers' GGUF loader
+    (its dequantization and Q/K un-permutation) gives them for the whole file."""
+    from transformers import AutoModelForCausalLM
+
+    from nbl_gguf import models
+    from nbl_gguf.calibration.stream import load_config_and_tokenizer
+    from nbl_gguf.calibration.weights import GgufSource, skeleton
+    from nbl_gguf.model_source import resolve_model
+
+    gguf = models.embedded_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(models.default_model_dir(), dtype=torch.float32).state_dict()
+    config, _ = load_config_and_tokenizer(resolve_model(str(gguf)))
+    model = skeleton(config, torch.float32)
+    source = GgufSource(model, gguf)
+    for name in [n for n in reference if n.startswith("model.layers.5.")] + ["model.norm.weight"]:
+        torch.testing.assert_close(source.parameter(name, torch.float32), reference[name], rtol=0, atol=0)
+    rows = torch.tensor([0, 7, 300, 49151])
+    torch.testing.assert_close(source.embedding_rows("model.embed_tokens.weight", rows, torch.float32),
+                               reference["model.embed_tokens.weight"][rows], rtol=0, atol=0)
+    # the head is tied to the embedding: the file stores the matrix once
+    torch.testing.assert_close(source.matrix("lm_head.weight", torch.float32), reference["lm_head.weight"],
+                               rtol=0, atol=0)
+
+
+# --- memory plan -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    texts = sample_texts(300, 60, seed=1)
+    tokenizer = word_tokenizer(texts)
+    model = tiny_model(layers=8, hidden=32, vocab=len(tokenizer), seed=1)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return root
+
+
+def tiny_args(root):
+    return ["--model", root / "model", "--dataset", root / "data.jsonl", "--nsamples", 24, "--seqlen", 64,
+            "--batch-size", 3, "--selection-windows", 16, "--m", 3, "--dtype", "fp32", "--targets", "attn"]
+
+
+def test_a_budget_below_one_layer_is_refused_before_any_work(tiny_folder, tmp_path):
+    with pytest.raises(NblError, match=r"--memory-budget .* cannot hold one layer of model: it needs about .* GiB "
+                                       r"\(the layer's weights"):
+        run_calibrate(*tiny_args(tiny_folder), "--memory-budget", 1e-6, "-o", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not list((tmp_path / "cache").glob("calibration-state/*/*.bin"))
+
+
+def test_hidden_states_on_disk_give_the_same_calibration(tiny_folder, tmp_path, capsys):
+    """A budget that holds one layer but not the windows' hidden states puts them in files."""
+    from nbl_gguf.calibration.stream import LayerStream, plan_hidden
+    from nbl_gguf.model_source import resolve_model
+
+    stream = LayerStream(resolve_model(str(tiny_folder / "model")), torch.float32, "cpu")
+    fits = plan_hidden(stream, 24, 64, 16, 3, ("attn",), None)
+    assert fits.memory == "cpu"
+    disk_budget = (fits.fixed + fits.hidden // 2) / 2**30
+    run_calibrate(*tiny_args(tiny_folder), "--memory-budget", disk_budget, "-o", tmp_path / "disk")
+    assert "hidden states on disk" in capsys.readouterr().err
+    run_calibrate(*tiny_args(tiny_folder), "-o", tmp_path / "memory")
+    disk, memory = load_artifact(tmp_path / "disk"), load_artifact(tmp_path / "memory")
+    assert disk.report["statistics"]["hidden_states"].startswith("hidden states on disk")
+    assert assert_same_calibration(disk, memory, tolerance=1e-12) == 0.0
+
+
+def test_a_padding_token_outside_the_calibration_text_is_no_obstacle(tmp_path):
+    """The embedding module's padding index names a row of the whole vocabulary (Qwen2.5's is its last
+    token): the streamed path reads only the rows its windows use, and must give the whole model's
+    layer-0 input all the same."""
+    from nbl_gguf.calibration.stream import LayerStream
+    from nbl_gguf.model_source import resolve_model
+
+    texts = sample_texts(40, 30, seed=2)
+    tokenizer = word_tokenizer(texts)
+    vocab = len(tokenizer) + 8
+    model = tiny_model(layers=2, hidden=32, vocab=vocab, seed=2, pad_token_id=vocab - 1)
+    assert model.get_input_embeddings().padding_idx == vocab - 1
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    ids = torch.randint(4, len(tokenizer), (2, 16))
+    stream = LayerStream(resolve_model(str(tmp_path / "model")), torch.float32, "cpu")
+    stream.prepare_embedding(ids)
+    torch.testing.assert_close(stream.embed(ids), model.get_input_embeddings()(ids), rtol=0, atol=0)
+    assert stream.model.get_input_embeddings().padding_idx == vocab - 1
+
+
+# --- resume -----------------------------------------------------------------------------------------------
+
+def calibrate_command(root, out, *extra):
+    return [sys.executable, "-m", "nbl_gguf", "calibrate", *map(str, tiny_args(root)), "--no-progress", "-o", str(out),
+            *map(str, extra)]
+
+
+def state_folders(cache: Path) -> list[Path]:
+    return [p for p in (cache / "calibration-state").glob("*") if p.is_dir()] if cache.is_dir() else []
+
+
+def layers_done(cache: Path) -> int:
+    for folder in state_folders(cache):
+        try:
+            return json.loads((folder / "state.json").read_text())["layers_done"]
+        except (OSError, ValueError, KeyError):
+            pass
+    return 0
+
+
+def kill_after(command, env, cache: Path, layers: int, sig=signal.SIGKILL) -> subprocess.CompletedProcess:
+    """Start ``command``; once ``layers`` layers are finished, send ``sig`` (whatever it is doing then)."""
+    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while layers_done(cache) < layers and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert process.poll() is None, "the run ended before it could be interrupted"
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_calibration_resumes_to_identical_bytes(tiny_folder, tmp_path, sig):
+    env = {**os.environ, "NBL_GGUF_CACHE": str(tmp_path / "cache")}
+    reference_env = {**os.environ, "NBL_GGUF_CACHE": str(tmp_path / "reference-cache")}
+    subprocess.run(calibrate_command(tiny_folder, tmp_path / "reference"), env=reference_env, cwd=REPO, check=True,
+                   capture_output=True)
+
+    killed = kill_after(calibrate_command(tiny_folder, tmp_path / "out"), env, tmp_path / "cache", 3, sig)
+    assert killed.returncode != 0
+    assert not (tmp_path / "out").exists()
+    done = layers_done(tmp_path / "cache")
+    assert 3 <= done < 8
+    resumed = subprocess.run(calibrate_command(tiny_folder, tmp_path / "out"), env=env, cwd=REPO, capture_output=True,
+                             text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming after layer {done - 1}" in resumed.stderr
+    assert (tmp_path / "out" / "nbl.safetensors").read_bytes() == (tmp_path / "reference" / "nbl.safetensors").read_bytes()
+    ours, reference = (json.loads((p / "report.json").read_text()) for p in (tmp_path / "out", tmp_path / "reference"))
+    assert ours["layers"] == reference["layers"] and ours["selection"] == reference["selection"]
+    assert not state_folders(tmp_path / "cache")  # a finished calibration leaves no state behind
+
+
+@pytest.mark.slow
+def test_a_changed_input_starts_afresh_and_says_so(tiny_folder, tmp_path):
+    env = {**os.environ, "NBL_GGUF_CACHE": str(tmp_path / "cache")}
+    kill_after(calibrate_command(tiny_folder, tmp_path / "out"), env, tmp_path / "cache", 2)
+    assert layers_done(tmp_path / "cache") >= 2
+    changed = subprocess.run(calibrate_command(tiny_folder, tmp_path / "out", "--nsamples", 20), env=env, cwd=REPO,
+                             capture_output=True, text=True)
+    assert changed.returncode == 0, changed.stderr
+    assert "was made with other inputs (tokens changed): starting afresh" in changed.stderr
+    assert "resuming" not in changed.stderr
+    fresh_env = {**os.environ, "NBL_GGUF_CACHE": str(tmp_path / "fresh-cache")}
+    subprocess.run(calibrate_command(tiny_folder, tmp_path / "fresh", "--nsamples", 20), env=fresh_env, cwd=REPO,
+                   check=True, capture_output=True)
+    assert (tmp_path / "out" / "nbl.safetensors").read_bytes() == (tmp_path / "fresh" / "nbl.safetensors").read_bytes()
+
+
+# --- the disk ---------------------------------------------------------------------------------------------
+
+def test_too_little_disk_is_refused_before_the_first_layer(tiny_folder, tmp_path, monkeypatch):
+    import shutil
+
+    from nbl_gguf.calibration import resume
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(resume.shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    with pytest.raises(NblError, match=r"needs about .* GiB in .*calibration-state.* for its hidden states .* are free "
+                                       r"\(set NBL_GGUF_CACHE"):
+        run_calibrate(*tiny_args(tiny_folder), "-o", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert layers_done(tmp_path / "cache") == 0
+
+
+def test_a_disk_that_fills_up_mid_run_is_named_and_the_run_resumes(tiny_folder, tmp_path, monkeypatch):
+    import builtins
+
+    from nbl_gguf.calibration import hidden
+
+    writes = []
+
+    class FillingFile:
+        """A file whose 40th write finds the disk full."""
+
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            writes.append(len(data))
+            if len(writes) == 40:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.handle.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    def filling_open(path, mode="r", *args, **kwargs):
+        handle = builtins.open(path, mode, *args, **kwargs)
+        return FillingFile(handle) if "+" in mode else handle
+
+    monkeypatch.setattr(hidden, "open", filling_open, raising=False)
+    with pytest.raises(NblError, match=r"the disk of .* is full: the layer-streamed calibration keeps .* there "
+                                       r"\(set NBL_GGUF_CACHE"):
+        run_calibrate(*tiny_args(tiny_folder), "-o", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    done = layers_done(tmp_path / "cache")
+    assert 0 < done < 8
+    (state,) = state_folders(tmp_path / "cache")
+    assert not list(state.glob(".*.tmp"))
+    monkeypatch.undo()
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    run_calibrate(*tiny_args(tiny_folder), "-o", tmp_path / "out")
+    run_calibrate(*tiny_args(tiny_folder), "--whole-model", "-o", tmp_path / "whole")
+    assert_same_calibration(load_artifact(tmp_path / "out"), load_artifact(tmp_path / "whole"))
+
+
+def test_artifact_writer_streams_tensors_that_safetensors_reads(tmp_path):
+    from safetensors.numpy import load_file
+
+    from nbl_gguf.calibration.artifact import LazyTensors, save_safetensors
+
+    rng = np.random.default_rng(0)
+    tensors = {"a.weight": rng.standard_normal((5, 3)).astype(np.float32), "b": rng.standard_normal(7),
+               "c": np.arange(3, dtype=np.int64)}
+    save_safetensors(tmp_path / "x.safetensors", tensors, {"format": "test"})
+    lazy = LazyTensors([tmp_path / "x.safetensors"])
+    save_safetensors(tmp_path / "y.safetensors", lazy, {"format": "test"})
+    for path in (tmp_path / "x.safetensors", tmp_path / "y.safetensors"):
+        loaded = load_file(str(path))
+        assert sorted(loaded) == sorted(tensors)
+        for name, value in tensors.items():
+            np.testing.assert_array_equal(loaded[name], value)
+    assert lazy.info("a.weight") == ("F32", [5, 3])
+
+
+def test_streamed_perplexities_equal_the_whole_model_for_every_layer_type(tiny_folder, tmp_path):
+    """eval's PyTorch perplexity: every configuration in one streamed pass, against each configuration
+    applied to the whole model and measured by torch_perplexity (the chunking of llama-perplexity)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, BLOCK_LINEAR, apply_nbl
+    from nbl_gguf.measurement.torch_ppl import streamed_perplexities, torch_perplexity
+    from nbl_gguf.model_source import resolve_model
+
+    run_calibrate(*tiny_args(tiny_folder), "--targets", "attn,block", "--criterion", "cosine", "-o", tmp_path / "art")
+    artifact = load_artifact(tmp_path / "art")
+    tokens = [4 + (i * 7 + i // 9) % 56 for i in range(800)]  # ids of the tiny vocabulary
+    variants = {"stock": {}, "nbl": {2: ATTN_LINEAR, 5: ATTN_LINEAR}, "drop": {1: ATTN_DROP, 6: ATTN_DROP},
+                "block": {3: BLOCK_LINEAR}, "mixed": {2: ATTN_LINEAR, 4: ATTN_DROP}}
+
+    def linear(layer, kind):
+        return artifact.linear(layer, "block" if kind == BLOCK_LINEAR else "attn")
+
+    streamed = streamed_perplexities(resolve_model(str(tiny_folder / "model")), variants, linear, tokens, 64,
+                                     chunks=6, bos=1, batch_size=4)
+    base = AutoModelForCausalLM.from_pretrained(tiny_folder / "model", dtype=torch.float32).eval()
+    for name, types in variants.items():
+        model = apply_nbl(copy.deepcopy(base), types, artifact) if types else base
+        want = torch_perplexity(model, tokens, 64, chunks=6, bos=1)
+        assert streamed[name].ppl == pytest.approx(want.ppl, rel=1e-6), name
+        assert streamed[name].error == pytest.approx(want.error, rel=1e-5) and streamed[name].chunks == 6
+    assert len({round(p.ppl, 6) for p in streamed.values()}) == len(variants)  # every variant differs
+
+
+def test_states_are_locked_per_key_and_stale_ones_are_removed(tmp_path, capsys):
+    from nbl_gguf.calibration.resume import CalibrationState
+
+    model = {"gguf_sha256": "ab" * 32}
+    messages = []
+    first = CalibrationState.for_model(model, {"tokens": "t1"}, log=messages.append)
+    assert first.open() == 0
+    first.save_layer(0, {"index": 0}, {"attn.0.weight": np.ones((2, 2), np.float32)})
+    first.finish_layer(0)
+    # the same key while it runs: refused; other inputs while it runs: side by side, nothing removed
+    with pytest.raises(NblError, match="the same calibration is running already"):
+        CalibrationState.for_model(model, {"tokens": "t1"}).open()
+    other = CalibrationState.for_model(model, {"tokens": "t2"}, log=messages.append)
+    assert other.open() == 0 and first.folder.is_dir() and not messages
+    other.close(finished=False)
+    first.close(finished=False)
+    # the interrupted first run, resumed; then a run with other inputs removes both stale states
+    again = CalibrationState.for_model(model, {"tokens": "t1"}, log=messages.append)
+    assert again.open() == 1 and messages == [f"calibration: resuming after layer 0 (state {first.folder})"]
+    again.close(finished=False)
+    third = CalibrationState.for_model(model, {"tokens": "t3"}, log=messages.append)
+    assert third.open() == 0
+    assert sorted(m.split(" was made")[0] for m in messages[1:]) == sorted(
+        f"calibration: the saved state in {f}" for f in (first.folder, other.folder))
+    assert all("(tokens changed): starting afresh" in m for m in messages[1:])
+    assert not first.folder.exists() and not other.folder.exists()
+    third.close(finished=True)
+    assert not third.folder.exists()
