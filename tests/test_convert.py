@@ -221,7 +221,7 @@ def test_convert_reuses_calibration_attn_drop_f16(tiny_hf, tiny_artifact, tmp_pa
     assert re.search(rf"^ +{dropped[0]}  dropped +[\d.]+ +freed 32\.00 KiB  -", text, re.M)
     assert cli.main(["inspect", "--json", str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["replaced"] == {"linear": 0, "dropped": 1}
+    assert info["replaced"] == {"linear": 0, "dropped": 1, "taps": 0}
     assert info["layers"][dropped[0]]["type"] == "dropped" and info["calibration"]["nsamples"] == 8
     assert info["kv_bytes_per_token"] == {"stock": 512, "file": 384}
 
