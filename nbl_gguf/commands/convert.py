@@ -165,6 +165,13 @@ def calibration_texts(args, artifact, ctx: int) -> list[str]:
 
 # --- the pipeline ------------------------------------------------------------------------------
 
+def intermediate_type(args, quant: str, model_dir: Path) -> str:
+    """The type of the stock conversion that is rewritten and then quantized (or kept, for a float --quant)."""
+    from nbl_gguf.gguf.hf_to_gguf import default_intermediate
+
+    return quant.lower() if quant in FLOAT_TYPES else args.intermediate or default_intermediate(model_dir)
+
+
 def convert(args) -> Summary:
     import gguf
     from tqdm import tqdm
@@ -172,7 +179,7 @@ def convert(args) -> Summary:
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.calibration.calibrate import calibrate, describe_artifact
     from nbl_gguf.gguf import nbl_format
-    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf, default_intermediate, model_shape
+    from nbl_gguf.gguf.hf_to_gguf import check_conversion_space, check_hf_folder, convert_hf_to_gguf, model_shape
     from nbl_gguf.gguf.inspect import kv_sizes, training_context
     from nbl_gguf.gguf.quantize import compute_imatrix, quantize
 
@@ -197,6 +204,8 @@ def convert(args) -> Summary:
         quant = check_quant(args.quant or DEFAULT_QUANT)
         check_hf_folder(source.hf_folder())
         n_layer, hidden = model_shape(source.hf_folder())
+        check_conversion_space(source.hf_folder(), intermediate_type(args, quant, source.hf_folder()),
+                               output.resolve().parent)
     if args.runtime == "stock":
         check_stock_runtime(source)
     m, _ = selection_budget(args.m, args.max_ppl_increase)
@@ -266,7 +275,7 @@ def convert(args) -> Summary:
         else:
             # 2. stock conversion
             model_dir = source.hf_folder()
-            intermediate = quant.lower() if quant in FLOAT_TYPES else args.intermediate or default_intermediate(model_dir)
+            intermediate = intermediate_type(args, quant, model_dir)
             with stage(steps[1]):
                 stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
 
