@@ -130,9 +130,12 @@ def safetensors_headers(folder: Path) -> list[dict]:
     for path in sorted(Path(folder).glob("*.safetensors")):
         with open(path, "rb") as handle:
             size = int.from_bytes(handle.read(8), "little")
-            if size > 100 << 20:
+            if not 2 <= size <= 100 << 20:
                 raise NblError(f"{path} is not a safetensors file (header size {size})")
-            headers.append(json.loads(handle.read(size)))
+            try:
+                headers.append(json.loads(handle.read(size)))
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise NblError(f"{path} is not a safetensors file (its header is not JSON: {error})") from None
     return headers
 
 

@@ -204,10 +204,11 @@ def convert(args) -> Summary:
         quant = check_quant(args.quant or DEFAULT_QUANT)
         check_hf_folder(source.hf_folder())
         n_layer, hidden = model_shape(source.hf_folder())
-        check_conversion_space(source.hf_folder(), intermediate_type(args, quant, source.hf_folder()),
-                               output.resolve().parent)
     if args.runtime == "stock":
         check_stock_runtime(source)
+    if source.gguf is None:
+        check_conversion_space(source.hf_folder(), intermediate_type(args, quant, source.hf_folder()),
+                               output.resolve().parent)
     m, _ = selection_budget(args.m, args.max_ppl_increase)
     if m is not None and not 0 <= m <= n_layer:
         raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
