@@ -5,7 +5,8 @@
 // with an error, never crash. See docs/fuzzing.md.
 //
 // LLVMFuzzerCustomMutator edits the parts the NBL patches read: <arch>.nbl.layer_types (length,
-// values, element type), the names, shapes and types of attn_nbl and attention tensors, the block
+// values, element type), <arch>.nbl.taps, the names, shapes and types of attn_nbl* (the taps layers'
+// too) and attention tensors, the block
 // count and the architecture; the file is written back consistently (offsets, alignment, sizes) so
 // that most inputs reach the model loader. Some of the time it mutates the bytes of a key's value,
 // now and then those of the whole file.
@@ -143,6 +144,7 @@ struct model_view {
     }
 
     std::string layer_types_key() const { return arch + ".nbl.layer_types"; }
+    std::string taps_key()        const { return arch + ".nbl.taps"; }
 };
 
 // tensors of a layer's attention block (what an NBL layer drops) and the NBL ones
@@ -173,7 +175,7 @@ bool is_target(const std::string & name) {
     int64_t layer;
     std::string stem, suffix;
     return parse_layer_name(name, layer, stem, suffix) &&
-           (stem == "attn_nbl" || std::find(ATTENTION_STEMS.begin(), ATTENTION_STEMS.end(), stem) != ATTENTION_STEMS.end());
+           (stem.rfind("attn_nbl", 0) == 0 || std::find(ATTENTION_STEMS.begin(), ATTENTION_STEMS.end(), stem) != ATTENTION_STEMS.end());
 }
 
 // a tensor of a layer's attention block or its NBL replacement, most of the time; any tensor otherwise
@@ -239,7 +241,7 @@ bool mutate_layer_type_value(model_view & m, rng_t & rng) {
     }
     switch (rng() % 4) {
         case 0:  std::swap(v[rng() % v.size()], v[rng() % v.size()]); break;
-        case 1:  std::fill(v.begin(), v.end(), rng() % 3); break;
+        case 1:  std::fill(v.begin(), v.end(), rng() % 4); break;
         default: v[rng() % v.size()] = interesting_type_value(rng); break;
     }
     e.set_ints(v, e.type == GGUF_TYPE_ARRAY ? e.elem_type : e.type, e.type == GGUF_TYPE_ARRAY);
@@ -500,7 +502,7 @@ bool mutate_layer_consistently(model_view & m, rng_t & rng) {
 bool mutate_kv_bytes(model_view & m, rng_t & rng) {
     std::vector<gguf_blob_kv *> keys;
     for (auto & e : m.blob.kv) {
-        if (e.key == m.layer_types_key() || e.key == "general.architecture" || e.key.rfind("nbl.", 0) == 0) {
+        if (e.key == m.layer_types_key() || e.key == m.taps_key() || e.key == "general.architecture" || e.key.rfind("nbl.", 0) == 0) {
             keys.push_back(&e);
         }
     }

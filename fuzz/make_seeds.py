@@ -1,5 +1,6 @@
 """Seed corpus for the loader fuzzer: small valid NBL GGUFs of every architecture the patch series
-supports, with all three layer types (attention, linear, dropped), weights in F32, F16 and Q8_0.
+supports, with all four layer types (attention, linear, dropped, taps: each form of its lag map),
+weights in F32, F16 and Q8_0.
 
     python fuzz/make_seeds.py OUT_DIR
 
@@ -22,11 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nbl_gguf.fixtures.tiny import N_SPECIAL, add_byte_vocab  # noqa: E402
 from nbl_gguf.gguf import nbl_format  # noqa: E402
 
-A, L, D = nbl_format.ATTENTION, nbl_format.LINEAR, nbl_format.DROPPED
+A, L, D, T = nbl_format.ATTENTION, nbl_format.LINEAR, nbl_format.DROPPED, nbl_format.TAPS
 
 N_EMBD, N_HEAD, N_HEAD_KV, N_FF = 32, 2, 1, 16
 HEAD_DIM = N_EMBD // N_HEAD
 N_VOCAB = N_SPECIAL + 256
+TAPS_RANK = 4
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class Seed:
     nbl_type: str = "F16"  # attn_nbl.weight; the other matrices are F16, token_embd and output Q8_0
     arch_keys: bool = True  # False drops Arch.keys (gemma3 without sliding window)
     n_expert: int = 0
+    taps: int = 0  # <arch>.nbl.taps for taps layers (T)
+    taps_form: str = "full"  # their lag map: full (attn_nbl_lag), lowrank (attn_nbl_lag_down/up), channel (attn_nbl_conv)
 
 
 SEEDS = {
@@ -87,6 +91,9 @@ SEEDS = {
     "llama-q8_0": Seed("llama", (A, A, L), nbl_type="Q8_0"),
     "llama-no-attention": Seed("llama", (L, D, L)),
     "llama-moe": Seed("llama", (D, L, A), n_expert=2),
+    "llama-taps-full": Seed("llama", (L, T, A), taps=3),
+    "llama-taps-lowrank": Seed("llama", (T, A, T), nbl_type="Q8_0", taps=4, taps_form="lowrank"),
+    "llama-taps-channel": Seed("llama", (A, T, D), taps=2, taps_form="channel"),
     "qwen2-mixed": Seed("qwen2", (A, L, D)),
     "qwen3-mixed": Seed("qwen3", (D, A, L)),
     "phi3-mixed": Seed("phi3", (L, A, D)),
@@ -125,9 +132,19 @@ def seed_tensors(seed: Seed, rng) -> dict[str, tuple[np.ndarray, str]]:
             for suffix, shape in arch.attention.items():
                 values = weight(*shape) if len(shape) == 2 else norm(shape[0])
                 tensors[f"blk.{i}.{suffix}"] = (values, "F16" if len(shape) == 2 else "F32")
-        elif layer_type == L:
+        elif layer_type in (L, T):
             tensors[nbl_format.NBL_WEIGHT.format(layer=i)] = (weight(N_EMBD, N_EMBD), seed.nbl_type)
             tensors[nbl_format.NBL_BIAS.format(layer=i)] = ((0.1 * rng.standard_normal(N_EMBD)).astype(np.float32), "F32")
+        if layer_type == T:
+            past = (seed.taps - 1) * N_EMBD
+            names = nbl_format.TAPS_TENSORS
+            if seed.taps_form == "full":
+                tensors[names["lag"].format(layer=i)] = (weight(N_EMBD, past), seed.nbl_type)
+            elif seed.taps_form == "lowrank":
+                tensors[names["lag_down"].format(layer=i)] = (weight(TAPS_RANK, past), seed.nbl_type)
+                tensors[names["lag_up"].format(layer=i)] = (weight(N_EMBD, TAPS_RANK), "F16")
+            else:
+                tensors[names["conv"].format(layer=i)] = ((0.5 * rng.standard_normal((seed.taps, N_EMBD))).astype(np.float32), "F32")
         tensors[f"blk.{i}.ffn_norm.weight"] = (norm(N_EMBD), "F32")
         if seed.n_expert:
             tensors[f"blk.{i}.ffn_gate_inp.weight"] = (weight(seed.n_expert, N_EMBD), "F32")
@@ -170,6 +187,8 @@ def write_seed(path: Path, name: str, seed: Seed, retype: dict[str, str] | None 
         writer.add_key_value(nbl_format.LAYER_TYPES_KEY.format(arch=arch.name), list(seed.types),
                              gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
         writer.add_string(nbl_format.METHOD_KEY, "attn-nbl")
+    if seed.taps:
+        writer.add_uint32(nbl_format.TAPS_KEY.format(arch=arch.name), seed.taps)
     for tensor_name, (values, type_name) in seed_tensors(seed, rng).items():
         data, qtype = quantized(values, (retype or {}).get(tensor_name, type_name))
         writer.add_tensor(tensor_name, data, raw_dtype=qtype)

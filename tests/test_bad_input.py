@@ -194,6 +194,10 @@ CASES = {
     "convert-truncated-weights": Case(("convert", "--model", "model", *TINY_CONVERT, "-o", "out.gguf"),
                                       (r"model/model\.safetensors: tensor \S+ runs past the end of the file \(truncated\?\)",),
                                       prepare=model_copy(lambda m: truncate(m / "model.safetensors"))),
+    "convert-weights-not-safetensors": Case(("convert", "--model", "model", *TINY_CONVERT, "-o", "out.gguf"),
+                                            (r"model/model\.safetensors is not a safetensors file",),
+                                            prepare=model_copy(lambda m: (m / "model.safetensors").write_bytes(
+                                                (12).to_bytes(8, "little") + b"<html>oops</"))),
     "calibrate-unsupported-architecture": Case(("calibrate", "--model", "gpt2", "--device", "cpu", "-o", "cal"),
                                                (r"unsupported architecture 'gpt2' \(GPT2LMHeadModel\)",),
                                                prepare=gpt2_folder),

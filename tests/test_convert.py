@@ -221,7 +221,7 @@ def test_convert_reuses_calibration_attn_drop_f16(tiny_hf, tiny_artifact, tmp_pa
     assert re.search(rf"^ +{dropped[0]}  dropped +[\d.]+ +freed 32\.00 KiB  -", text, re.M)
     assert cli.main(["inspect", "--json", str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["replaced"] == {"linear": 0, "dropped": 1}
+    assert info["replaced"] == {"linear": 0, "dropped": 1, "taps": 0}
     assert info["layers"][dropped[0]]["type"] == "dropped" and info["calibration"]["nsamples"] == 8
     assert info["kv_bytes_per_token"] == {"stock": 512, "file": 384}
 
@@ -479,3 +479,34 @@ def test_the_stock_conversion_keeps_a_16_bit_checkpoint_in_16_bits(tmp_path):
 
     save_file({"extra": torch.zeros(2, dtype=torch.float32)}, str(mixed / "extra.safetensors"))
     assert default_intermediate(mixed) == "f32"
+
+
+def test_convert_refuses_a_disk_too_small_for_the_intermediate_files(tiny_hf, tmp_path, monkeypatch):
+    """The stock and NBL intermediates (here f32, the checkpoint's type) must fit side by side in -o's
+    folder: less free space is an error before the calibration, naming what is needed and where."""
+    import collections
+
+    from safetensors import safe_open
+
+    from nbl_gguf.commands.convert import convert
+    from nbl_gguf.gguf import hf_to_gguf
+
+    elements = 0
+    for path in tiny_hf.glob("*.safetensors"):
+        with safe_open(str(path), framework="numpy") as handle:
+            elements += sum(handle.get_tensor(name).size for name in handle.keys())
+    needed = 2 * 4 * elements
+    assert hf_to_gguf.check_conversion_space(tiny_hf, "f32", tmp_path) == needed
+    assert hf_to_gguf.check_conversion_space(tiny_hf, "bf16", tmp_path) == needed // 2
+
+    usage = collections.namedtuple("usage", "total used free")
+    free = {"bytes": needed - 1}
+    monkeypatch.setattr(hf_to_gguf.shutil, "disk_usage", lambda folder: usage(10 * needed, 0, free["bytes"]))
+    out = tmp_path / "out" / "model.gguf"
+    (tmp_path / "out").mkdir()
+    with pytest.raises(NblError, match=rf"converting {tiny_hf.name} needs at least \d+\.\d GiB free in "
+                                       rf"{re.escape(str(out.parent))} for the stock and NBL files in f32"):
+        convert(convert_args(model=str(tiny_hf), m=2, quant="q8_0", output=str(out)))
+    assert listing(tmp_path / "out") == set()
+    free["bytes"] = needed
+    assert hf_to_gguf.check_conversion_space(tiny_hf, "f32", out.parent) == needed

@@ -15,22 +15,30 @@ from torch import nn
 from nbl_gguf.errors import NblError
 from nbl_gguf.models import decoder_layers, get_adapter
 
-KEEP, ATTN_LINEAR, ATTN_DROP, BLOCK_LINEAR = 0, 1, 2, 3
-LAYER_TYPE_NAMES = {KEEP: "keep", ATTN_LINEAR: "attn-nbl", ATTN_DROP: "attn-drop", BLOCK_LINEAR: "block-nbl"}
+KEEP, ATTN_LINEAR, ATTN_DROP, BLOCK_LINEAR, ATTN_TAPS = 0, 1, 2, 3, 4
+LAYER_TYPE_NAMES = {KEEP: "keep", ATTN_LINEAR: "attn-nbl", ATTN_DROP: "attn-drop", BLOCK_LINEAR: "block-nbl",
+                    ATTN_TAPS: "attn-taps"}
 METHOD_LAYER_TYPE = {"attn-nbl": ATTN_LINEAR, "attn-drop": ATTN_DROP, "block-nbl": BLOCK_LINEAR}
 
 
-def _keep_positions(past_key_values, layer_idx: int, hidden_states: torch.Tensor) -> None:
-    """Record this step's length in the KV cache without storing anything.
+def _cache(past_key_values, kwargs):
+    """The KV cache a replaced module is called with: transformers 5 passes it as `cache`, earlier
+    versions as `past_key_values`."""
+    return kwargs.get("cache", past_key_values)
 
-    HF reads the sequence length from layer 0's cache; appending zero-head keys keeps that count
-    right when layer 0 is linear, at no memory cost.
+
+def _keep_positions(past_key_values, layer_idx: int, hidden_states: torch.Tensor) -> None:
+    """Record this step's length in the KV cache, storing next to nothing.
+
+    HF reads the sequence length from layer 0's cache; appending one-element keys per token keeps
+    that count right when layer 0 is replaced (transformers 5 counts an empty cache as length 0, so
+    keys without elements would not do).
     """
     if past_key_values is None or layer_idx is None:
         return
     b, s = hidden_states.shape[:2]
-    empty = hidden_states.new_zeros(b, 0, s, 1)
-    past_key_values.update(empty, empty, layer_idx)
+    placeholder = hidden_states.new_zeros(b, 1, s, 1)
+    past_key_values.update(placeholder, placeholder, layer_idx)
 
 
 class _Affine(nn.Module):
@@ -54,7 +62,7 @@ class LinearAttention(_Affine):
     """Stands in for an attention module: returns (W x + b, None) like HF attention does."""
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
-        _keep_positions(past_key_values, self.layer_idx, hidden_states)
+        _keep_positions(_cache(past_key_values, kwargs), self.layer_idx, hidden_states)
         return self.affine(hidden_states), None
 
 
@@ -66,8 +74,80 @@ class ZeroAttention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
-        _keep_positions(past_key_values, self.layer_idx, hidden_states)
+        _keep_positions(_cache(past_key_values, kwargs), self.layer_idx, hidden_states)
         return torch.zeros_like(hidden_states), None
+
+
+class TapsAttention(nn.Module):
+    """Stands in for an attention module with a past-token map (calibration.taps.TapsMap): y_t reads
+    x_t and the K-1 inputs before it, zeros before the sequence's start.
+
+    Without a cache (a whole sequence at once) the past starts at zero. With HF's KV cache (generate,
+    or a manual decode loop passing past_key_values), the layer keeps the last K-1 inputs of every
+    row on the cache object itself, next to the position count it reached, so a cache continued step
+    by step gives what the full recompute gives, and a new cache starts from zero. A cache whose length
+    no longer matches the kept inputs (cropped, or reordered by beam search) is refused.
+    """
+
+    STATE = "_nbl_taps_state"  # attribute of the HF cache object: {layer: (inputs [b, K-1, d], positions)}
+
+    def __init__(self, taps_map, layer_idx: int | None):
+        super().__init__()
+        d = taps_map.weight.shape[0]
+        self.taps, self.layer_idx = int(taps_map.taps), layer_idx
+
+        def buffer(name, array):
+            tensor = None if array is None else torch.as_tensor(np.asarray(array), dtype=torch.float32)
+            self.register_buffer(name, tensor)
+
+        if taps_map.weight.shape != (d, d) or taps_map.bias.shape != (d,):
+            raise NblError(f"layer {layer_idx}: expected a square taps weight and matching bias")
+        for name, value in taps_map.tensors().items():
+            buffer(name, value)
+        for name in ("lag", "lag_down", "lag_up", "conv"):
+            if not hasattr(self, name):
+                buffer(name, None)
+
+    def _past(self, past_key_values, x: torch.Tensor) -> torch.Tensor:
+        b, _, d = x.shape
+        zeros = x.new_zeros(b, self.taps - 1, d)
+        if past_key_values is None or self.layer_idx is None:
+            return zeros
+        seen = past_key_values.get_seq_length(self.layer_idx)
+        kept = getattr(past_key_values, self.STATE, {}).get(self.layer_idx)
+        if seen == 0:
+            return zeros
+        if kept is None or kept[1] != seen or kept[0].shape[0] != b:
+            raise NblError(f"layer {self.layer_idx}: the KV cache holds {seen} positions but the taps state "
+                           f"{'none' if kept is None else kept[1]}: a cache cropped or reordered cannot "
+                           f"continue a taps layer; recompute from the start")
+        return kept[0]
+
+    def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
+        past_key_values = _cache(past_key_values, kwargs)
+        x = hidden_states.float()
+        past = self._past(past_key_values, x)
+        _keep_positions(past_key_values, self.layer_idx, hidden_states)
+        if past_key_values is not None and self.layer_idx is not None:
+            state = past_key_values.__dict__.setdefault(self.STATE, {})
+            kept = torch.cat([past, x], 1)[:, x.shape[1]:]
+            state[self.layer_idx] = (kept.detach(), past_key_values.get_seq_length(self.layer_idx))
+        return self.apply_taps(x, past).to(hidden_states.dtype), None
+
+    def apply_taps(self, x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+        """y [b, s, d] from x [b, s, d] and the K-1 inputs before it, past [b, K-1, d] (float32)."""
+        b, s, d = x.shape
+        k = self.taps
+        windows = torch.cat([past, x], 1).unfold(1, k, 1)  # [b, s, d, K], oldest first
+        u = (windows * self.conv.T).sum(-1) if self.conv is not None else x
+        y = torch.nn.functional.linear(u, self.weight, self.bias)
+        if self.lag is not None or self.lag_down is not None:
+            lags = windows[..., :k - 1].transpose(-1, -2).reshape(b, s, (k - 1) * d)  # oldest first
+            if self.lag is not None:
+                y = y + torch.nn.functional.linear(lags, self.lag)
+            else:
+                y = y + torch.nn.functional.linear(torch.nn.functional.linear(lags, self.lag_down), self.lag_up)
+        return y
 
 
 class LinearBlock(_Affine):
@@ -78,7 +158,7 @@ class LinearBlock(_Affine):
         self.tuple_output = tuple_output
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
-        _keep_positions(past_key_values, self.layer_idx, hidden_states)
+        _keep_positions(_cache(past_key_values, kwargs), self.layer_idx, hidden_states)
         out = self.affine(hidden_states)
         return (out,) if self.tuple_output else out
 
@@ -94,7 +174,8 @@ def _layer_types(layer_types, count: int) -> dict[int, int]:
         if not 0 <= index < count:
             raise NblError(f"layer {index} is out of range for a model with {count} layers")
         if kind not in LAYER_TYPE_NAMES:
-            raise NblError(f"layer {index}: unknown layer type {kind} (use 0 keep, 1 attn-nbl, 2 attn-drop, 3 block-nbl)")
+            raise NblError(f"layer {index}: unknown layer type {kind} "
+                           f"(use 0 keep, 1 attn-nbl, 2 attn-drop, 3 block-nbl, 4 attn-taps)")
     return types
 
 
@@ -112,9 +193,9 @@ def apply_nbl(model, layer_types: Sequence[int] | Mapping[int, int], linear=None
     """Replace marked layers of `model` in place and return it.
 
     layer_types: per layer (sequence) or {layer: type}; 0 keep, 1 attention -> W x + b,
-    2 attention -> 0, 3 whole decoder layer -> W h + b.
+    2 attention -> 0, 3 whole decoder layer -> W h + b, 4 attention -> a past-token map.
     linear: {layer: (W, b)} with W [d, d] (y = W x + b), or a CalibrationArtifact (its attention
-    maps serve type 1, its block maps type 3).
+    maps serve type 1, its block maps type 3); for type 4, {layer: calibration.taps.TapsMap}.
     """
     adapter = get_adapter(model)
     layers = decoder_layers(model)
@@ -125,12 +206,17 @@ def apply_nbl(model, layer_types: Sequence[int] | Mapping[int, int], linear=None
         if kind == ATTN_LINEAR:
             weight, bias = _lookup(linear, index, "attn")
             setattr(layer, adapter.attn, LinearAttention(weight, bias, index).to(device))
+        elif kind == ATTN_TAPS:
+            taps_map = linear.get(index) if isinstance(linear, Mapping) else None
+            if taps_map is None or not hasattr(taps_map, "taps"):
+                raise NblError(f"layer {index} is a taps layer but no taps map was given for it")
+            setattr(layer, adapter.attn, TapsAttention(taps_map, index).to(device))
         elif kind == ATTN_DROP:
             setattr(layer, adapter.attn, ZeroAttention(index))
         elif kind == BLOCK_LINEAR:
             weight, bias = _lookup(linear, index, "block")
             layers[index] = LinearBlock(weight, bias, index, tuple_output).to(device)
-        if kind in (ATTN_LINEAR, ATTN_DROP) and adapter.attn_out_norm:
+        if kind in (ATTN_LINEAR, ATTN_DROP, ATTN_TAPS) and adapter.attn_out_norm:
             # W x + b already is the block's output after this norm (the fit was taken there)
             setattr(layer, adapter.attn_out_norm, nn.Identity())
     return model

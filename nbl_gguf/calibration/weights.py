@@ -124,17 +124,25 @@ class WeightSource:
         raise NotImplementedError
 
 
-def safetensors_dtypes(folder: Path) -> set[str]:
-    """The dtypes (safetensors names: F32, F16, BF16, ...) of every tensor of a folder's *.safetensors."""
-    dtypes = set()
+def safetensors_headers(folder: Path) -> list[dict]:
+    """The JSON header of each of a folder's *.safetensors files (tensor name -> dtype, shape, offsets)."""
+    headers = []
     for path in sorted(Path(folder).glob("*.safetensors")):
         with open(path, "rb") as handle:
             size = int.from_bytes(handle.read(8), "little")
-            if size > 100 << 20:
+            if not 2 <= size <= 100 << 20:
                 raise NblError(f"{path} is not a safetensors file (header size {size})")
-            header = json.loads(handle.read(size))
-        dtypes |= {info["dtype"] for name, info in header.items() if name != "__metadata__"}
-    return dtypes
+            try:
+                headers.append(json.loads(handle.read(size)))
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise NblError(f"{path} is not a safetensors file (its header is not JSON: {error})") from None
+    return headers
+
+
+def safetensors_dtypes(folder: Path) -> set[str]:
+    """The dtypes (safetensors names: F32, F16, BF16, ...) of every tensor of a folder's *.safetensors."""
+    return {info["dtype"] for header in safetensors_headers(folder)
+            for name, info in header.items() if name != "__metadata__"}
 
 
 class SafetensorsSource(WeightSource):

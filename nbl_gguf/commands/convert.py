@@ -168,6 +168,13 @@ def calibration_texts(args, artifact, ctx: int) -> list[str]:
 
 # --- the pipeline ------------------------------------------------------------------------------
 
+def intermediate_type(args, quant: str, model_dir: Path) -> str:
+    """The type of the stock conversion that is rewritten and then quantized (or kept, for a float --quant)."""
+    from nbl_gguf.gguf.hf_to_gguf import default_intermediate
+
+    return quant.lower() if quant in FLOAT_TYPES else args.intermediate or default_intermediate(model_dir)
+
+
 def convert(args) -> Summary:
     import gguf
     from tqdm import tqdm
@@ -175,7 +182,7 @@ def convert(args) -> Summary:
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.calibration.calibrate import calibrate, describe_artifact
     from nbl_gguf.gguf import nbl_format
-    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf, default_intermediate, model_shape
+    from nbl_gguf.gguf.hf_to_gguf import check_conversion_space, check_hf_folder, convert_hf_to_gguf, model_shape
     from nbl_gguf.gguf.inspect import kv_sizes, training_context
     from nbl_gguf.gguf.quantize import compute_imatrix, quantize
 
@@ -202,6 +209,9 @@ def convert(args) -> Summary:
         n_layer, hidden = model_shape(source.hf_folder())
     if args.runtime == "stock":
         check_stock_runtime(source)
+    if source.gguf is None:
+        check_conversion_space(source.hf_folder(), intermediate_type(args, quant, source.hf_folder()),
+                               output.resolve().parent)
     m, _ = selection_budget(args.m, args.max_ppl_increase)
     if m is not None and not 0 <= m <= n_layer:
         raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
@@ -269,7 +279,7 @@ def convert(args) -> Summary:
         else:
             # 2. stock conversion
             model_dir = source.hf_folder()
-            intermediate = quant.lower() if quant in FLOAT_TYPES else args.intermediate or default_intermediate(model_dir)
+            intermediate = intermediate_type(args, quant, model_dir)
             with stage(steps[1]):
                 stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
 

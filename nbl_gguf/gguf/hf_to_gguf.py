@@ -8,7 +8,9 @@ Python, checks its result and turns failures into an :class:`NblError`.
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +127,33 @@ def default_intermediate(model_dir: Path) -> str:
 
     stored = {dtype for dtype in safetensors_dtypes(model_dir) if dtype.startswith(("F", "BF"))}
     return INTERMEDIATE_OF.get(stored.pop(), "f32") if len(stored) == 1 else "f32"
+
+
+OUTTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def conversion_bytes(model_dir: Path, outtype: str) -> int:
+    """Bytes of the model's tensors in ``outtype`` (f32, f16 or bf16), from the safetensors headers: the
+    size of one intermediate GGUF, less its metadata and the 1-D tensors the converter keeps F32."""
+    from nbl_gguf.calibration.weights import safetensors_headers
+
+    per_element = OUTTYPE_BYTES[outtype]
+    total = 0
+    for header in safetensors_headers(model_dir):
+        for name, info in header.items():
+            if name != "__metadata__":
+                total += math.prod(info["shape"]) * per_element
+    return total
+
+
+def check_conversion_space(model_dir: Path, outtype: str, folder: Path) -> int:
+    """The stock conversion writes two intermediate files side by side (the stock model and its NBL
+    rewrite, both in ``outtype``) before anything is quantized: refuse before the calibration when
+    ``folder``'s disk cannot hold them, rather than let llama-quantize fail on a full disk an hour in."""
+    needed = 2 * conversion_bytes(model_dir, outtype)
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise NblError(f"converting {model_dir.name} needs at least {needed / 2**30:.1f} GiB free in {folder} for the "
+                       f"stock and NBL files in {outtype} before they are quantized; {free / 2**30:.1f} GiB are free "
+                       f"(free some space, or write -o to a larger disk)")
+    return needed

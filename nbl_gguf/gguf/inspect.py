@@ -22,6 +22,8 @@ from nbl_gguf.gguf.nbl_format import (
     METHOD_KEY,
     SCORES_CRITERION_KEY,
     SCORES_KEY,
+    TAPS,
+    TAPS_KEY,
     layer_of,
     read_layer_types,
 )
@@ -207,6 +209,19 @@ def layout(reader) -> tuple[str, bool]:
     return LAYOUTS["stock"], True
 
 
+def taps_state(reader, types) -> dict | None:
+    """Tokens a taps layer reads and the F32 state llama.cpp keeps for them per sequence (the inputs of
+    the last taps - 1 tokens of every taps layer), or None without taps layers."""
+    arch = str(_field(reader, "general.architecture"))
+    n_taps = _field(reader, TAPS_KEY.format(arch=arch))
+    layers = sum(1 for t in types or [] if t == TAPS)
+    if n_taps is None or not layers:
+        return None
+    n_embd = int(_field(reader, f"{arch}.embedding_length"))
+    return {"taps": int(n_taps), "layers": layers,
+            "state_bytes_per_sequence": layers * (int(n_taps) - 1) * n_embd * 4}
+
+
 def training_context(reader) -> int | None:
     arch = str(_field(reader, "general.architecture"))
     value = _field(reader, f"{arch}.context_length")
@@ -295,7 +310,8 @@ def describe(path: str | os.PathLike, n_ctx: int | None = None) -> dict:
         "scores_criterion": scores_criterion,
         "calibration": calibration,
         "layers": layers,
-        "replaced": {name: sum(1 for e in layers if e["type"] == name) for name in ("linear", "dropped")},
+        "replaced": {name: sum(1 for e in layers if e["type"] == name) for name in ("linear", "dropped", "taps")},
+        "taps": taps_state(reader, types),
         "attention_layers": attention_layers,
         "kv_bytes_per_token": {"stock": kv_stock, "file": kv_file, **(
             {"file_flash_attention_off": stock_layout_kv_without_flash_attention(reader)}
@@ -486,8 +502,12 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
     out.append(f"layout:        {info['layout']}; a stock llama.cpp build runs it: {runs}")
     if info["nbl"]:
         rep = info["replaced"]
-        out.append(f"NBL:           {rep['linear'] + rep['dropped']} of {info['block_count']} attention layers replaced "
-                   f"({rep['linear']} linear, {rep['dropped']} dropped)")
+        kinds = f"{rep['linear']} linear, {rep['dropped']} dropped" + (f", {rep['taps']} taps" if rep["taps"] else "")
+        out.append(f"NBL:           {sum(rep.values())} of {info['block_count']} attention layers replaced ({kinds})")
+        taps = info["taps"]
+        if taps is not None:
+            out.append(f"taps:          each taps layer reads {taps['taps']} tokens; state {taps['state_bytes_per_sequence']:,} "
+                       f"bytes per sequence (F32: {taps['layers']} layers x {taps['taps'] - 1} x n_embd x 4)")
         out.append(f"method:        {info['method'] or '?'}    criterion: {info['criterion'] or '?'}")
         out += calibration_lines(info["calibration"])
         out.append(f"scores:        {scores_line(info)}")

@@ -19,9 +19,12 @@ from nbl_gguf.errors import NblError
 ATTENTION = 0  # stock self-attention
 LINEAR = 1  # attention replaced by y = W x + b of the normed input
 DROPPED = 2  # attention removed: the block adds nothing
-LAYER_TYPE_NAMES = {ATTENTION: "attention", LINEAR: "linear", DROPPED: "dropped"}
+TAPS = 3  # attention replaced by a linear map of the normed inputs of this and the taps - 1 previous tokens
+LAYER_TYPE_NAMES = {ATTENTION: "attention", LINEAR: "linear", DROPPED: "dropped", TAPS: "taps"}
 
 LAYER_TYPES_KEY = "{arch}.nbl.layer_types"
+TAPS_KEY = "{arch}.nbl.taps"  # uint32: tokens a taps layer reads (the same for every taps layer)
+MAX_TAPS = 64  # LLAMA_NBL_MAX_TAPS of the patched llama.cpp
 # provenance, for `inspect` and for people; llama.cpp does not read these
 METHOD_KEY = "nbl.method"
 CRITERION_KEY = "nbl.criterion"
@@ -31,12 +34,21 @@ CALIBRATION_KEY = "nbl.calibration"
 
 NBL_WEIGHT = "blk.{layer}.attn_nbl.weight"
 NBL_BIAS = "blk.{layer}.attn_nbl.bias"
+# a taps layer's maps of the earlier inputs (calibration.taps.TapsMap: the attribute of the same name)
+TAPS_TENSORS = {
+    "lag": "blk.{layer}.attn_nbl_lag.weight",  # [d, (K-1) d] on the K-1 earlier inputs, oldest first
+    "lag_down": "blk.{layer}.attn_nbl_lag_down.weight",  # [r, (K-1) d]
+    "lag_up": "blk.{layer}.attn_nbl_lag_up.weight",  # [d, r]
+    "conv": "blk.{layer}.attn_nbl_conv.weight",  # [K, d] per-channel weights, a row per token, oldest first (F32)
+}
 # the tensors a replaced layer must not carry (weights, optional biases, per-head Q/K norms, and the
 # norm on the attention output before the residual add, which the NBL map stands in for)
 ATTENTION_TENSOR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_q_norm", "attn_k_norm",
                           "post_attention_norm")
 # GGUF architectures whose graph the patched llama.cpp builds with NBL layers (llm_arch_supports_nbl)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
+# those whose graph also builds taps layers (llm_arch_supports_nbl_taps)
+TAPS_ARCHITECTURES = ("llama",)
 FLOAT_WEIGHT_TYPES = ("F32", "F16", "BF16")
 # W's type when the one it would inherit (its layer's attn_output) cannot hold an n_embd x n_embd
 # matrix: q8_0 keeps W within about 0.5% at a quarter of F32's bytes; F16 when even its blocks do not fit
@@ -45,7 +57,8 @@ FALLBACK_WEIGHT_TYPES = ("Q8_0", "F16")
 
 @dataclass
 class NblLayers:
-    """What replaces the attention of each layer: types[i] and, for LINEAR layers, (W [d, d], b [d])."""
+    """What replaces the attention of each layer: types[i] and, for LINEAR layers, (W [d, d], b [d]);
+    for TAPS layers a calibration.taps.TapsMap (or any object with its attributes) in ``taps``."""
 
     types: Sequence[int]
     linear: Mapping[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
@@ -54,15 +67,29 @@ class NblLayers:
     scores: Sequence[float] | None = None
     calibration: Mapping | None = None
     scores_criterion: str | None = None  # what ``scores`` score, when not ``criterion`` itself (best, greedy)
+    taps: Mapping = field(default_factory=dict)
+
+    @property
+    def n_taps(self) -> int | None:
+        """Tokens every taps layer reads, None without taps layers."""
+        counts = {int(m.taps) for m in self.taps.values()}
+        return counts.pop() if len(counts) == 1 else None
 
     def validate(self, n_layer: int, n_embd: int) -> None:
         if len(self.types) != n_layer:
             raise NblError(f"{len(self.types)} layer types given for a model of {n_layer} layers")
         for layer, layer_type in enumerate(self.types):
             if layer_type not in LAYER_TYPE_NAMES:
-                raise NblError(f"layer {layer}: unknown NBL layer type {layer_type} (0, 1 or 2)")
+                raise NblError(f"layer {layer}: unknown NBL layer type {layer_type} (0, 1, 2 or 3)")
             if (layer_type == LINEAR) != (layer in self.linear):
                 raise NblError(f"layer {layer}: linear weights must be given exactly for type-1 layers")
+            if (layer_type == TAPS) != (layer in self.taps):
+                raise NblError(f"layer {layer}: taps maps must be given exactly for type-3 layers")
+        counts = sorted({int(m.taps) for m in self.taps.values()})
+        if len(counts) > 1:
+            raise NblError(f"taps layers read {counts} tokens: every taps layer of a file reads the same number")
+        for layer, taps_map in sorted(self.taps.items()):
+            validate_taps_map(layer, taps_map, n_embd)
         for layer, (weight, bias) in self.linear.items():
             if weight.shape != (n_embd, n_embd) or bias.shape != (n_embd,):
                 raise NblError(
@@ -72,6 +99,33 @@ class NblLayers:
                 raise NblError(f"layer {layer}: NBL weight or bias is not finite")
         if self.scores is not None and len(self.scores) != n_layer:
             raise NblError(f"{len(self.scores)} scores given for a model of {n_layer} layers")
+
+
+def validate_taps_map(layer: int, taps_map, n_embd: int) -> None:
+    """The shapes docs/gguf-format.md gives a taps layer's tensors, each named when it is wrong."""
+    k = int(taps_map.taps)
+    if not 2 <= k <= MAX_TAPS:
+        raise NblError(f"layer {layer}: a taps layer reads 2 to {MAX_TAPS} tokens, not {k}")
+    tensors = {name: getattr(taps_map, name, None) for name in ("weight", "bias", *TAPS_TENSORS)}
+    present = {name: np.asarray(t) for name, t in tensors.items() if t is not None}
+    rank = present["lag_down"].shape[0] if "lag_down" in present and present["lag_down"].ndim == 2 else None
+    expected = {"weight": (n_embd, n_embd), "bias": (n_embd,), "lag": (n_embd, (k - 1) * n_embd),
+                "lag_down": (rank, (k - 1) * n_embd), "lag_up": (n_embd, rank), "conv": (k, n_embd)}
+    for name in ("weight", "bias"):
+        if name not in present:
+            raise NblError(f"layer {layer}: the taps map has no {name}")
+    if not any(name in present for name in TAPS_TENSORS):
+        raise NblError(f"layer {layer}: a taps map needs lag, lag_down and lag_up, or conv (else it is a type-1 layer)")
+    if "lag" in present and ("lag_down" in present or "lag_up" in present):
+        raise NblError(f"layer {layer}: a taps map has a full (lag) or a low-rank (lag_down, lag_up) lag map, not both")
+    if ("lag_down" in present) != ("lag_up" in present):
+        raise NblError(f"layer {layer}: lag_down and lag_up come together")
+    for name, array in present.items():
+        if array.shape != expected[name]:
+            raise NblError(f"layer {layer}: taps tensor {name} has shape {array.shape}, expected {expected[name]} "
+                           f"(n_embd {n_embd}, {k} taps)")
+        if not np.isfinite(array).all():
+            raise NblError(f"layer {layer}: taps tensor {name} is not finite")
 
 
 def is_attention_tensor(name: str, layer: int) -> bool:
@@ -149,12 +203,13 @@ def weight_types(src, layers: NblLayers, requested: str | None = None) -> dict[i
     reader = src if isinstance(src, gguf.GGUFReader) else gguf.GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())
     n_embd = int(reader.fields[f"{arch}.embedding_length"].contents())
+    mapped = sorted(set(layers.linear) | set(layers.taps))
     if requested is not None:
         name = parse_weight_type(requested, n_embd)
-        return {layer: WeightType(name) for layer in sorted(layers.linear)}
+        return {layer: WeightType(name) for layer in mapped}
     attn_output = {layer_of(t.name): t.tensor_type.name for t in reader.tensors if t.name.endswith(".attn_output.weight")}
     chosen = {}
-    for layer in sorted(layers.linear):
+    for layer in mapped:
         own = attn_output.get(layer, "F32")
         problem = weight_type_problem(own, n_embd)
         if problem is None:
@@ -191,9 +246,13 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
     n_embd = int(reader.fields[f"{arch}.embedding_length"].contents())
     layers.validate(n_layer, n_embd)
+    if layers.taps and arch not in TAPS_ARCHITECTURES:
+        raise NblError(f"{src} is a '{arch}' model; the patched llama.cpp runs taps layers (type 3) for "
+                       f"{', '.join(TAPS_ARCHITECTURES)} only")
     types = weight_type if isinstance(weight_type, Mapping) else weight_types(reader, layers, weight_type)
-    if set(types) != set(layers.linear):
-        raise NblError(f"NBL weight types given for layers {sorted(types)}, linear layers are {sorted(layers.linear)}")
+    mapped = set(layers.linear) | set(layers.taps)
+    if set(types) != mapped:
+        raise NblError(f"NBL weight types given for layers {sorted(types)}, linear and taps layers are {sorted(mapped)}")
 
     tensors: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]] = []
     emitted: set[int] = set()
@@ -201,11 +260,14 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
         layer = layer_of(tensor.name)
         if layer is not None and layers.types[layer] != ATTENTION and is_attention_tensor(tensor.name, layer):
             # the NBL tensors take the place of the first attention tensor, keeping the file's order
-            if layer not in emitted and layers.types[layer] == LINEAR:
-                weight, bias = layers.linear[layer]
+            if layer not in emitted and layers.types[layer] in (LINEAR, TAPS):
+                weight, bias = layers.linear[layer] if layers.types[layer] == LINEAR else \
+                    (layers.taps[layer].weight, layers.taps[layer].bias)
                 qtype = gguf.GGMLQuantizationType[types[layer].name]
                 tensors.append((NBL_WEIGHT.format(layer=layer), quantize_weight(weight, qtype), qtype))
-                tensors.append((NBL_BIAS.format(layer=layer), bias.astype(np.float32), gguf.GGMLQuantizationType.F32))
+                tensors.append((NBL_BIAS.format(layer=layer), np.asarray(bias, np.float32), gguf.GGMLQuantizationType.F32))
+                if layers.types[layer] == TAPS:
+                    tensors.extend(taps_tensors(layer, layers.taps[layer], qtype))
             emitted.add(layer)
             continue
         tensors.append((tensor.name, tensor.data, tensor.tensor_type))
@@ -221,12 +283,36 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
             LAYER_TYPES_KEY.format(arch=arch), [int(t) for t in layers.types],
             gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32,
         )
+        if layers.taps:
+            writer.add_uint32(TAPS_KEY.format(arch=arch), layers.n_taps)
         add_provenance(writer, layers)
         write_tensors(writer, tensors, reader.endianess, source=reader)
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
     return dst
+
+
+def taps_tensors(layer: int, taps_map, qtype) -> list:
+    """A taps layer's lag maps in W's type (a fallback where their rows do not fit its blocks) and its
+    per-channel weights in F32 (llama.cpp multiplies the activations by them, ggml_mul takes F32)."""
+    import gguf
+
+    out = []
+    for name, pattern in TAPS_TENSORS.items():
+        array = getattr(taps_map, name, None)
+        if array is None:
+            continue
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if name == "conv":
+            out.append((pattern.format(layer=layer), array, gguf.GGMLQuantizationType.F32))
+            continue
+        own = qtype
+        if weight_type_problem(own.name, array.shape[1]) is not None:
+            own = gguf.GGMLQuantizationType[next(t for t in FALLBACK_WEIGHT_TYPES
+                                                 if weight_type_problem(t, array.shape[1]) is None)]
+        out.append((pattern.format(layer=layer), quantize_weight(array, own), own))
+    return out
 
 
 def copy_keys(reader, writer, rename=lambda key: key) -> None:

@@ -25,6 +25,7 @@ from nbl_gguf.gguf.nbl_format import (
     ATTENTION,
     DROPPED,
     LINEAR,
+    TAPS,
     NblLayers,
     WeightType,
     add_provenance,
@@ -138,6 +139,10 @@ def write_stock_gguf(src: str | os.PathLike, dst: str | os.PathLike, layers: Nbl
     n_layer = int(_field(reader, f"{arch}.block_count"))
     n_embd = int(_field(reader, f"{arch}.embedding_length"))
     layers.validate(n_layer, n_embd)
+    taps = [layer for layer, kind in enumerate(layers.types) if kind == TAPS]
+    if taps:
+        raise NblError(f"layers {taps} are taps layers, which read earlier tokens' inputs from a state kept per "
+                       f"sequence; llama.cpp's deci graph (--runtime stock) keeps no such state: use --runtime nbl")
     for layer, (_, bias) in layers.linear.items():
         if np.any(bias != 0):
             raise NblError(f"layer {layer}: the deci linear attention has no bias, but a nonzero one was given: "

@@ -1,0 +1,65 @@
+"""Held-out perplexity against the NBL weights' ggml type (issue 19, point 0): one GGUF --model, one
+calibration artifact, the same layers for every type, `convert --nbl-type T` for each type and m.
+One JSON line per (m, type): the file's bytes, the stock and NBL perplexity on the bundled held-out
+text (llama-perplexity), and which layers.
+
+    python scripts/eval_nbl_type.py --model Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf \\
+        --calibration bench-results/dtypes-qwen/calibration-bf16 --ms 4,8 --types default,q4_k,q5_k,q6_k,q8_0,f16 \\
+        --out docs/results/nbl-type-qwen.jsonl
+
+"default" is convert's own choice (the type of each layer's attn_output). The layers come from one
+local criterion (--criterion, default cosine), so every type is measured on the same layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="GGUF file")
+    parser.add_argument("--calibration", required=True, help="its calibration artifact")
+    parser.add_argument("--ms", default="4,8")
+    parser.add_argument("--types", default="default,q4_k,q5_k,q6_k,q8_0,f16")
+    parser.add_argument("--criterion", default="cosine")
+    parser.add_argument("--eval-chunks", type=int, default=16)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    from nbl_gguf.commands import convert as convert_command
+
+    with tempfile.TemporaryDirectory() as tmp, open(args.out, "a", encoding="utf-8") as out:
+        for m in [int(x) for x in args.ms.split(",")]:
+            for nbl_type in args.types.split(","):
+                output = Path(tmp) / f"nbl-{m}-{nbl_type}.gguf"
+                argv = ["--model", args.model, "--calibration", args.calibration, "--m", str(m), "--criterion",
+                        args.criterion, "--eval-chunks", str(args.eval_chunks), "--no-progress", "-o", str(output)]
+                if nbl_type != "default":
+                    argv += ["--nbl-type", nbl_type]
+                command = argparse.ArgumentParser()
+                convert_command.add_arguments(command)
+                start = time.perf_counter()
+                summary = convert_command.convert(command.parse_args(argv))
+                heldout = summary.heldout
+                row = {"model": Path(args.model).name, "m": m, "nbl_type": nbl_type, "layers": summary.replaced,
+                       "criterion": args.criterion, "nbl_bytes": summary.nbl_bytes, "stock_bytes": summary.stock_bytes,
+                       "tokens": heldout["tokens"], "stock_ppl": heldout["stock"], "nbl_ppl": heldout["nbl"],
+                       "increase_pct": 100 * (heldout["nbl"] / heldout["stock"] - 1),
+                       "seconds": round(time.perf_counter() - start, 1)}
+                print(json.dumps(row), flush=True)
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                output.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
