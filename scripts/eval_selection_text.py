@@ -1,19 +1,23 @@
 """Which criterion `--criterion best` picks at each m when its held-out windows are made of other text
 (--selection-text variants), on the maps of one calibration artifact (the fit does not depend on the
-held-out windows, so one calibration serves every variant). One JSON line per (variant, m): the
-windows of each kind and every criterion's layers and held-out perplexity increase.
+held-out windows, so one calibration serves every variant), and what each criterion's layers then cost
+on each kind's evaluation part (text never calibrated or selected on; PyTorch, the artifact's maps
+unquantized). One JSON line per (variant, m): the windows of each kind, every criterion's layers and
+selection-window increase, the choice; then one line per m with every criterion's layers' increase on
+each kind's evaluation windows.
 
     python scripts/eval_selection_text.py --calibration ART --ms 4,8 \\
         --variants "calibration;mix;mix" --windows 4,4,6 --out selection-text.jsonl
 
---variants and --windows pair up (one window count per variant). The perplexity each choice costs on
-each kind's evaluation part is what `convert --calibration ART --criterion C --m M` reports.
+--variants and --windows pair up (one window count per variant). The rankings do not depend on the
+variant, so every variant chooses among the same candidate sets, and the evaluation rows score them all.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -25,6 +29,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ms", default="4,8")
     parser.add_argument("--variants", default="calibration;mix", help="--selection-text values, separated by ';'")
     parser.add_argument("--windows", default="4,4", help="held-out windows of each variant")
+    parser.add_argument("--eval-windows", type=int, default=2,
+                        help="windows (of the artifact's seqlen) of each kind's evaluation part (default: 2)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -33,7 +39,8 @@ def main(argv=None) -> int:
     from nbl_gguf.calibration import calibrate
     from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
     from nbl_gguf.calibration.artifact import CRITERIA, load_artifact
-    from nbl_gguf.calibration.select import best_of
+    from nbl_gguf.calibration.dataset import EVALUATION, KINDS, build_windows, kind_texts
+    from nbl_gguf.calibration.select import best_of, ppl_increase
     from nbl_gguf.calibration.solve import ranking
     from nbl_gguf.calibration.stream import LayerStream, StreamedEvaluator
     from nbl_gguf.model_source import resolve_model
@@ -46,8 +53,10 @@ def main(argv=None) -> int:
         raise SystemExit("--windows needs one count per variant")
     ms = [int(m) for m in args.ms.split(",")]
     torch.manual_seed(0)
-    stream = LayerStream(resolve_model(args.model), torch.float32, "cpu")
-    prepared = calibrate.Prepared(stream.name, stream.path, stream.config, stream.tokenizer, "cpu", torch.float32,
+    # the calibration's own compute type, as sweep's best uses it
+    dtype = getattr(torch, artifact.report["model"].get("dtype") or "float32")
+    stream = LayerStream(resolve_model(args.model), dtype, "cpu")
+    prepared = calibrate.Prepared(stream.name, stream.path, stream.config, stream.tokenizer, "cpu", dtype,
                                   stream.num_layers, stream.hidden_size)
     rankings = {c: ranking(artifact.scores(c, "attn")) for c in CRITERIA}
     with open(args.out, "a", encoding="utf-8") as out:
@@ -67,6 +76,26 @@ def main(argv=None) -> int:
                 row = {"variant": variant, "windows": made_of["windows"], "m": m, "chosen": chosen,
                        "tokens": evaluator.tokens,
                        "compared": {c: {"layers": layers, "ppl_increase_pct": inc} for c, (layers, inc) in compared.items()},
+                       "seconds": round(time.time() - start, 1)}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                print(json.dumps(row), file=sys.stderr)
+            evaluator.close()
+        # every criterion's m layers on each kind's evaluation part
+        seqlen = int(data["seqlen"])
+        for kind in KINDS:
+            windows = build_windows(stream.tokenizer, kind_texts(kind, EVALUATION), args.eval_windows, seqlen,
+                                    name=f"{kind} evaluation text")
+            start = time.time()
+            evaluator = StreamedEvaluator(stream, windows.input_ids, METHOD_LAYER_TYPE["attn-nbl"],
+                                          lambda k, _type: artifact.linear(k, "attn"))
+            for m in ms:
+                sets = {c: rankings[c][:m] for c in rankings}
+                losses = evaluator.losses(list(sets.values()))
+                row = {"evaluation": kind, "m": m, "tokens": evaluator.tokens,
+                       "base_ppl": round(math.exp(evaluator.base_loss), 4),
+                       "compared": {c: {"layers": sets[c], "ppl_increase_pct": round(ppl_increase(loss, evaluator.base_loss), 3)}
+                                    for c, loss in zip(sets, losses)},
                        "seconds": round(time.time() - start, 1)}
                 out.write(json.dumps(row) + "\n")
                 out.flush()

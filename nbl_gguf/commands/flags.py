@@ -126,7 +126,7 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
                              "and Python code held out for selection, a third of the windows each), 'calibration' "
                              "(the calibration text's only), or KIND:WEIGHT,... of the kinds calibration, prose, code "
                              f"(default: {DEFAULT_SELECTION_TEXT})")
-    parser.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
+    parser.add_argument("-c", "--ctx-size", type=positive_int, default=None, metavar="N",
                         help="context at which the selection reports the KV cache its layers save, as llama.cpp "
                              "allocates it (default: the model's training context, llama-cli's default)")
 
