@@ -4,36 +4,19 @@ that the numpy reference computes."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from _build_info import expected_build_info
+from _llama_server import post, running_llama_server
 
 from nbl_gguf.gguf import nbl_format
-from nbl_gguf.llamacpp import tools as llamacpp
 from nbl_gguf.fixtures.tiny import TinyLlama
 
 A, L, D = nbl_format.ATTENTION, nbl_format.LINEAR, nbl_format.DROPPED
 N_PREDICT = 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(port: int, path: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
 
 
 def greedy(model: TinyLlama, prompt, types, linear, n: int) -> list[int]:
@@ -53,28 +36,9 @@ def server(tmp_path):
     types = [L, A, D, L]
     linear = model.random_linear([0, 3], seed=4)
     path = model.write_nbl_gguf(tmp_path / "nbl.gguf", types, linear)
-    port = free_port()
-    process = subprocess.Popen(
-        [str(llamacpp.tool("llama-server")), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
-         "-np", "2", "-c", "512", "-ctk", "f32", "-ctv", "f32", "-t", "2", "--cache-reuse", "4"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace",
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not start:\n" + process.stderr.read()[-3000:])
-            time.sleep(0.2)
+    with running_llama_server(path, tmp_path / "server.log", "-np", "2", "-c", "512", "-ctk", "f32", "-ctv", "f32",
+                              "-t", "2", "--cache-reuse", "4") as port:
         yield port, model, types, linear
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def complete(port: int, prompt: list[int]) -> dict:

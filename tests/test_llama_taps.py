@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from _llama_server import running_llama_server
 
 from nbl_gguf.calibration.apply import ATTN_LINEAR, ATTN_TAPS, apply_nbl
 from nbl_gguf.errors import NblError
@@ -400,38 +401,12 @@ def test_taps_on_an_architecture_without_taps_support_is_refused(tmp_path):
 
 @pytest.fixture()
 def taps_server(tmp_path):
-    import subprocess
-    import time
-    import urllib.request
-
-    from test_llama_server import free_port
-
     model = TinyLlama(n_layer=4, n_head=8, n_head_kv=2, seed=11)
     maps = {**model.random_taps([0, 3], TAPS, "full"), 2: model.random_linear([2])[2]}
     path = model.write_nbl_gguf(tmp_path / "taps.gguf", TYPES, maps)
-    log = tmp_path / "server.log"  # a file, not a pipe: nobody reads it while the server runs
-    port = free_port()
-    process = subprocess.Popen(
-        [str(llamacpp.tool("llama-server")), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
-         "-np", "2", "-c", "512", "-ctk", "f32", "-ctv", "f32", "-t", "2"],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True, errors="replace",
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not start:\n" + log.read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
+    with running_llama_server(path, tmp_path / "server.log", "-np", "2", "-c", "512", "-ctk", "f32", "-ctv", "f32",
+                              "-t", "2") as port:
         yield port, model, maps
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def test_server_parallel_slots_and_prompt_cache_with_taps_layers(taps_server):

@@ -68,25 +68,33 @@ class MomentAccumulator:
 
     def check_finite(self) -> None:
         """A NaN/inf anywhere in X or Y reaches its column sum, so checking the d-vectors suffices."""
-        for label, total in (("input", self.sum_x), ("output", self.sum_y)):
-            if not bool(torch.isfinite(total).all()):
-                bad = int((~torch.isfinite(total)).sum())
-                raise NblError(f"non-finite activations (NaN/inf) in {self.name} {label} ({bad} channels); "
-                               f"try --dtype fp32 or check the model weights")
+        check_finite_sums(self.name, self.sum_x, self.sum_y)
 
     def moments(self) -> "Moments":
         self.check_finite()
-        if self.n == 0:
-            raise NblError(f"{self.name}: no tokens were accumulated")
-        n = self.n
-        mx, my = self.sum_x / n, self.sum_y / n
-        # Population (1/n) covariances: the LMMSE solution and every ratio below are scale-free.
-        cxx = self.sum_xx / n - torch.outer(mx, mx)
-        cyx = self.sum_yx / n - torch.outer(my, mx)
-        cyy = self.sum_yy / n - torch.outer(my, my)
-        cxx = (cxx + cxx.T) / 2
-        cyy = (cyy + cyy.T) / 2
-        return Moments(n, mx + self.shift_x, my + self.shift_y, cxx, cyx, cyy, self.name)
+        return moments_from_sums(self.name, self.n, self.sum_x, self.sum_y, self.sum_xx, self.sum_yx, self.sum_yy,
+                                 self.shift_x, self.shift_y)
+
+
+def check_finite_sums(name: str, sum_x: torch.Tensor, sum_y: torch.Tensor) -> None:
+    for label, total in (("input", sum_x), ("output", sum_y)):
+        if not bool(torch.isfinite(total).all()):
+            bad = int((~torch.isfinite(total)).sum())
+            raise NblError(f"non-finite activations (NaN/inf) in {name} {label} ({bad} channels); "
+                           f"try --dtype fp32 or check the model weights")
+
+
+def moments_from_sums(name: str, n: int, sum_x, sum_y, sum_xx, sum_yx, sum_yy, shift_x, shift_y) -> "Moments":
+    """Means and covariances from sums of shifted rows (x - shift_x, y - shift_y): the shift cancels in
+    the covariances and is added back to the means."""
+    if n == 0:
+        raise NblError(f"{name}: no tokens were accumulated")
+    mx, my = sum_x / n, sum_y / n
+    # Population (1/n) covariances: the LMMSE solution and every ratio below are scale-free.
+    cxx = sum_xx / n - torch.outer(mx, mx)
+    cyx = sum_yx / n - torch.outer(my, mx)
+    cyy = sum_yy / n - torch.outer(my, my)
+    return Moments(n, mx + shift_x, my + shift_y, (cxx + cxx.T) / 2, cyx, (cyy + cyy.T) / 2, name)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nbl_gguf.calibration.statistics import Moments
+from nbl_gguf.calibration.statistics import Moments, check_finite_sums, moments_from_sums
 from nbl_gguf.errors import NblError
 
 FORMS = ("full", "lowrank", "channel")
@@ -118,23 +118,14 @@ class TapsAccumulator:
                     self.sum_zz[j * d:(j + 1) * d, i * d:(i + 1) * d] += block.T
 
     def check_finite(self) -> None:
-        for label, total in (("input", self.sum_z), ("output", self.sum_y)):
-            if not bool(torch.isfinite(total).all()):
-                raise NblError(f"non-finite activations (NaN/inf) in {self.name} {label}; "
-                               f"try --dtype fp32 or check the model weights")
+        check_finite_sums(self.name, self.sum_z, self.sum_y)
 
     def moments(self) -> Moments:
         """Moments of (z, y) with z the K d stacked input, lag-major (lag 0 = the current token first)."""
         self.check_finite()
-        if self.n == 0:
-            raise NblError(f"{self.name}: no tokens were accumulated")
-        n = self.n
-        mz, my = self.sum_z / n, self.sum_y / n
-        czz = self.sum_zz / n - torch.outer(mz, mz)
-        cyz = self.sum_yz / n - torch.outer(my, mz)
-        cyy = self.sum_yy / n - torch.outer(my, my)
-        shift_z = self.shift_x.repeat(self.taps)
-        return Moments(n, mz + shift_z, my + self.shift_y, (czz + czz.T) / 2, cyz, (cyy + cyy.T) / 2, self.name)
+        return moments_from_sums(self.name, self.n, self.sum_z, self.sum_y, self.sum_zz, self.sum_yz, self.sum_yy,
+                                 None if self.shift_x is None else self.shift_x.repeat(self.taps),
+                                 self.shift_y)
 
 
 def fewer_taps(m: Moments, taps: int) -> Moments:
