@@ -206,8 +206,11 @@ def test_the_mixed_held_out_windows_come_from_each_kind(embedded_prepared):
     assert made_of["windows"] == {"code": 3, "prose": 1} and weighted[1:].tolist() == windows_by_hand(tokenizer, code, 0, 3, seqlen)
     with pytest.raises(NblError, match=r"the bundled Python docs held out for layer selection gives \d+ windows of 2048 "
                                        r"tokens, fewer than the 30"):
-        load_windows(window_args(seqlen=2048, selection_windows=90), embedded_prepared, True, fit)
+        load_windows(window_args(seqlen=2048, selection_windows=90, selection_text="mix"), embedded_prepared, True, fit)
     assert load_windows(window_args(seqlen=seqlen), embedded_prepared, False, fit)[1:] == (None, None)
+    # the default (docs/results/selection-text.md): the calibration text's windows only
+    _, default, made_of = load_windows(window_args(seqlen=seqlen, selection_windows=6), embedded_prepared, True, fit)
+    assert made_of["windows"] == {"calibration": 6} and default.tolist() == only_c4.tolist()
 
 
 # --- the KV cache saving of the selection --------------------------------------------------------------------
@@ -248,7 +251,7 @@ def test_best_reports_the_kv_saving_of_its_layers_as_llama_cpp_allocates_it(tiny
     parser = argparse.ArgumentParser()
     calibrate.add_arguments(parser)
     args = parser.parse_args(["--model", str(tiny_gemma3), "--nsamples", "8", "--seqlen", "64", "--targets", "attn",
-                              "--m", "2", "--selection-windows", "18", "--ctx-size", "8192", "--device", "cpu",
+                              "--m", "2", "--selection-windows", "18", "--selection-text", "mix", "--ctx-size", "8192", "--device", "cpu",
                               "--no-progress", "-o", str(out)])
     assert calibrate.run(args) == 0
     selection = load_artifact(out).report["selection"]
