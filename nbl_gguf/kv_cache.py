@@ -158,3 +158,54 @@ def kv_size(model: KvModel, context: Context) -> KvSize:
     caches = {name: CacheSize(cells[name], layers, k_bytes, v_bytes)
               for name, (layers, k_bytes, v_bytes) in totals.items()}
     return KvSize(per_layer=tuple(per_layer), caches=caches)
+
+
+# --- from a Hugging Face config -----------------------------------------------------------------------
+
+# Which layers slide in the GGUF that the pinned converter writes for a HF config, as llama.cpp then
+# reads it (gguf.inspect.SLIDING_WINDOW_RULES): gemma2 gets the config's window and llama.cpp's
+# pattern 2; gemma3 gets its window, and llama.cpp's pattern 6 (the converter writes no pattern key,
+# so llama.cpp's default holds whatever the config's layer_types say), none with a pattern of 1.
+# Every other supported family attends to the whole context in llama.cpp (a Mistral or Qwen2
+# sliding_window included).
+CONFIG_SLIDING_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+GEMMA2_DEFAULT_WINDOW = 4096  # transformers' Gemma2Config default
+
+
+def _as_dict(config) -> dict:
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return config
+
+
+def _text_part(config: dict) -> dict:
+    text = config.get("text_config")
+    return _as_dict(text) if text else config
+
+
+def model_from_config(config) -> KvModel:
+    """The KV layout llama.cpp gives the model of a HF ``config`` (config.json as a dict, or a
+    transformers config) once converted: per layer its K and V widths and whether it slides."""
+    config = _as_dict(config)
+    text = _text_part(config)
+    model_type = text.get("model_type") or config.get("model_type")
+    try:
+        n_layer = int(text["num_hidden_layers"])
+        n_head = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise NblError(f"the model's config has no usable {error.args[0] if error.args else 'attention shape'}") from None
+    n_head_kv = int(text.get("num_key_value_heads") or n_head)
+    head_dim = int(text.get("head_dim") or hidden // n_head)
+    window, pattern = 0, CONFIG_SLIDING_PATTERNS.get(model_type)
+    if pattern is not None and text.get("sliding_window_pattern") != 1:
+        default = GEMMA2_DEFAULT_WINDOW if model_type == "gemma2" else 0
+        window = int(text.get("sliding_window") or default)
+    sliding = [bool(window) and i % pattern < pattern - 1 for i in range(n_layer)] if pattern else [False] * n_layer
+    width = n_head_kv * head_dim
+    return KvModel(layers=tuple(KvLayer(width, width, sliding=flag) for flag in sliding), window=window)
+
+
+def training_context_from_config(config) -> int | None:
+    """The context llama.cpp takes by default (-c 0): the model's max_position_embeddings."""
+    value = _text_part(_as_dict(config)).get("max_position_embeddings")
+    return int(value) if value else None

@@ -152,6 +152,11 @@ CASES = {
                                   (r"unknown quantization type 'q9_z'",), needs=("llama-quantize",)),
     "calibrate-m-not-a-number": Case(("calibrate", "--m", "lots"),
                                      (r"argument --m: expected a number of layers or 'auto', got 'lots'",)),
+    "calibrate-unknown-selection-text": Case(("calibrate", "--selection-text", "wiki:1"),
+                                             (r"argument --selection-text: --selection-text 'wiki:1': use mix, "
+                                              r"calibration or KIND:WEIGHT",)),
+    "convert-ctx-size-zero": Case(("convert", "--ctx-size", "0", "-o", "out.gguf"),
+                                  (r"argument --ctx-size: must be at least 1, got 0",)),
     "calibrate-unknown-criterion": Case(("calibrate", "--criterion", "vibes"),
                                         (r"argument --criterion: invalid choice: 'vibes'",)),
     "bench-bad-depths": Case(("bench", "--shape", "llama-3.2-1b", "--depths", "0,x"),

@@ -434,7 +434,11 @@ def test_calibrate_selection_errors(checkpoint):
         run_calibrate(checkpoint, "--nsamples", 8, "--m", "auto", "--max-ppl-increase", -2, "--selection-windows", 20,
                       "-o", checkpoint / "x")
     with pytest.raises(NblError, match="too few to hold out --selection-windows 500"):
-        run_calibrate(checkpoint, "--m", "auto", "--selection-windows", 500, "-o", checkpoint / "x")
+        run_calibrate(checkpoint, "--m", "auto", "--selection-windows", 500, "--selection-text", "calibration",
+                      "-o", checkpoint / "x")
+    with pytest.raises(NblError, match=r"too few to hold out 167 of --selection-windows 500 \(its share in "
+                                       r"--selection-text mix\)"):
+        run_calibrate(checkpoint, "--m", "auto", "--selection-windows", 500, "--selection-text", "mix", "-o", checkpoint / "x")
     with pytest.raises(NblError, match="held-out slice for layer selection has 128 tokens"):
         run_calibrate(checkpoint, "--nsamples", 8, "--m", "auto", "--selection-windows", 2, "-o", checkpoint / "x")
     assert not (checkpoint / "x").exists()

@@ -1,6 +1,6 @@
 """Fidelity of the NBL GGUF on the embedded SmolLM2-135M-Instruct: the patched llama.cpp running the
 F32 NBL GGUF against the HF model with the same layers replaced in PyTorch (apply_nbl), on held-out
-C4 text; then the q4_k_m NBL GGUF generating through llama-completion, llama-cli and llama_cpp.Llama.
+C4 text (and the summary's perplexity on each bundled kind of text); then the q4_k_m NBL GGUF generating through llama-completion, llama-cli and llama_cpp.Llama.
 """
 
 from __future__ import annotations
@@ -104,19 +104,29 @@ def test_f32_nbl_gguf_matches_pytorch_nbl(embedded):
     assert abs(ppl_gguf - ppl_hf) / ppl_hf <= 0.005
 
 
-def test_summary_heldout_perplexity_matches_pytorch(embedded):
-    """convert's held-out perplexity of the stock and NBL files (llama-perplexity) against PyTorch on the
-    same chunks of the same tokens (the F32 files reproduce their models, so the two must agree)."""
+@pytest.mark.parametrize("kind", ["c4", "prose", "code"])
+def test_summary_heldout_perplexity_matches_pytorch(embedded, kind):
+    """convert's held-out perplexity of the stock and NBL files (llama-perplexity) on each kind of text
+    against PyTorch on the same chunks of the same tokens (the F32 files reproduce their models, so the
+    two must agree); the text is the kind's evaluation documents as the bundled file holds them."""
+    import json
+    from importlib import resources
+
     from nbl_gguf import models
     from nbl_gguf.calibration.apply import apply_nbl
-    from nbl_gguf.calibration.dataset import heldout_text
+    from nbl_gguf.calibration.dataset import KINDS
     from nbl_gguf.commands.convert import EVAL_CTX
     from nbl_gguf.measurement.torch_ppl import llama_tokens, torch_perplexity
 
     artifact, summary, f32, _ = embedded
-    heldout = summary.heldout
+    heldout = summary.heldout[kind]
     assert heldout["chunks"] == EVAL_CHUNKS and heldout["ctx"] == EVAL_CTX
-    tokens, bos = llama_tokens(f32, heldout_text().removesuffix("\n"))
+    documents = json.loads(resources.files("nbl_gguf").joinpath("data", KINDS[kind].file).read_text(encoding="utf-8"))
+    if kind == "c4":
+        texts = [d["text"] for d in documents[256:]]  # the documents after the calibration slice
+    else:
+        texts = [d["text"] for d in documents if d["part"] == "evaluation"]
+    tokens, bos = llama_tokens(f32, "\n\n".join(t.strip() for t in texts if t.strip()))
     loaded = models.load_model(None, "fp32", "cpu")
     stock = torch_perplexity(loaded.model, tokens, EVAL_CTX, chunks=EVAL_CHUNKS, bos=bos)
     nbl = torch_perplexity(apply_nbl(loaded.model, artifact.layer_types(M, "cca", "attn-nbl"), artifact), tokens,
@@ -125,7 +135,10 @@ def test_summary_heldout_perplexity_matches_pytorch(embedded):
     assert heldout["stock"] == pytest.approx(stock.ppl, rel=2e-3)
     assert heldout["nbl"] == pytest.approx(nbl.ppl, rel=2e-3)
     assert heldout["nbl"] > heldout["stock"]
-    assert f"held-out perplexity ({stock.tokens:,} tokens)" in summary.table()
+    table = summary.table()
+    assert f"held-out perplexity, {KINDS[kind].label} ({stock.tokens:,} tokens)" in table
+    worst = max(summary.heldout, key=lambda k: summary.heldout[k]["nbl"] / summary.heldout[k]["stock"])
+    assert f"worst kind of text: {KINDS[worst].label}, " in table
 
 
 def test_q4_k_m_nbl_gguf_generates(embedded):

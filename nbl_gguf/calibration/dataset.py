@@ -2,6 +2,11 @@
 
 Documents are tokenized one at a time and consumed only until enough tokens are gathered, so a
 hub dataset as large as C4 is streamed rather than downloaded whole.
+
+Held-out text comes in three bundled kinds (nbl_gguf/data/README.md): C4 web text, English technical
+prose (the Python documentation) and source code (Python standard library modules). Each has a part
+that layer selection may measure and a part for the summary's perplexity, which never share a
+document: a model that holds up on web text can fall apart on code, and one kind alone hides it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,111 @@ def write_heldout_text(path) -> Path:
     path = Path(path)
     path.write_text(heldout_text(), encoding="utf-8")
     return path
+
+
+# --- held-out text of several kinds ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TextKind:
+    name: str
+    label: str  # what the summary calls it
+    file: str  # in nbl_gguf/data
+
+
+KINDS = {
+    "c4": TextKind("c4", "C4 web text", BUNDLED_NAME),
+    "prose": TextKind("prose", "Python docs", "python-docs.json"),
+    "code": TextKind("code", "Python code", "python-code.json"),
+}
+EVALUATION, SELECTION = "evaluation", "selection"
+# --selection-text: the held-out windows of layer selection. "calibration": the windows after the fit
+# windows in the calibration text (C4 by default); "mix": those and the selection parts of the other
+# bundled kinds, in these proportions of the windows (or KIND:WEIGHT,... to choose)
+CALIBRATION_KIND = "calibration"
+MIX_KINDS = (CALIBRATION_KIND, "prose", "code")
+SELECTION_TEXTS = {"calibration": {CALIBRATION_KIND: 1}, "mix": {kind: 1 for kind in MIX_KINDS}}
+
+
+def _bundled_documents(kind: str) -> list[dict]:
+    if kind not in KINDS:
+        raise NblError(f"unknown kind of text '{kind}' (use {', '.join(KINDS)})")
+    with resources.files("nbl_gguf").joinpath("data", KINDS[kind].file).open(encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def kind_texts(kind: str, part: str) -> list[str]:
+    """The documents of one bundled kind in one part: ``selection`` (C4: the calibration slice, whose
+    windows after the fit windows layer selection measures) or ``evaluation`` (never calibrated or
+    selected on)."""
+    if part not in (SELECTION, EVALUATION):
+        raise NblError(f"unknown part '{part}' (use {SELECTION} or {EVALUATION})")
+    if kind == "c4":
+        texts = _bundled_texts()
+        return texts[:CALIBRATION_DOCS] if part == SELECTION else texts[CALIBRATION_DOCS:]
+    return [doc["text"] for doc in _bundled_documents(kind) if doc["part"] == part]
+
+
+def evaluation_text(kind: str) -> str:
+    """A kind's evaluation part, blank-line separated: the text of the summary's perplexity."""
+    return "\n\n".join(text.strip() for text in kind_texts(kind, EVALUATION) if text.strip()) + "\n"
+
+
+def write_evaluation_text(kind: str, path) -> Path:
+    path = Path(path)
+    path.write_text(evaluation_text(kind), encoding="utf-8")
+    return path
+
+
+def parse_selection_text(text: str) -> dict[str, float]:
+    """--selection-text: 'mix', 'calibration' or KIND:WEIGHT,... (kinds: calibration, prose, code)."""
+    if text in SELECTION_TEXTS:
+        return dict(SELECTION_TEXTS[text])
+    weights = {}
+    for item in text.split(","):
+        kind, _, weight = item.strip().partition(":")
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            value = -1.0
+        if kind not in MIX_KINDS or kind in weights or not value >= 0:
+            raise NblError(f"--selection-text {text!r}: use mix, calibration or KIND:WEIGHT,... with kinds "
+                           f"{', '.join(MIX_KINDS)} each at most once and weights of zero or more")
+        weights[kind] = value
+    if not sum(weights.values()) > 0:
+        raise NblError(f"--selection-text {text!r}: the weights add up to nothing")
+    return {kind: weights[kind] for kind in MIX_KINDS if kind in weights}  # the windows' order: calibration, prose, code
+
+
+def mix_windows(weights: dict[str, float], total: int) -> dict[str, int]:
+    """``total`` windows shared among the kinds in proportion to ``weights``: each kind its whole share,
+    the rest one each to the largest remainders (ties to the earlier kind in ``weights``)."""
+    scale = sum(weights.values())
+    shares = {kind: total * weight / scale for kind, weight in weights.items()}
+    counts = {kind: int(share) for kind, share in shares.items()}
+    order = sorted(weights, key=lambda kind: -(shares[kind] - counts[kind]))  # stable: ties keep their order
+    for kind in order[:total - sum(counts.values())]:
+        counts[kind] += 1
+    return counts
+
+
+def bundled_selection_windows(tokenizer, counts: dict[str, int], seqlen: int):
+    """(token windows [sum of counts, seqlen], {kind: {windows, documents, sha256}}) of the selection
+    parts of bundled kinds, each kind's windows cut from its own documents, in the order of ``counts``."""
+    import torch
+
+    parts, report = [], {}
+    for kind, count in counts.items():
+        if not count:
+            continue
+        data = build_windows(tokenizer, kind_texts(kind, SELECTION), count, seqlen, name=f"bundled {kind} text")
+        if data.nsamples < count:
+            raise NblError(f"the bundled {KINDS[kind].label} held out for layer selection gives {data.nsamples} "
+                           f"windows of {seqlen} tokens, fewer than the {count} that --selection-text asks of it "
+                           f"(use fewer --selection-windows, a shorter --seqlen or another --selection-text)")
+        parts.append(data.input_ids)
+        report[kind] = {"windows": count, "documents": data.documents, "sha256": data.sha256}
+    ids = torch.cat(parts) if parts else torch.empty(0, seqlen, dtype=torch.long)
+    return ids, report
 
 
 def _as_text(item, where: str, field: str) -> str:

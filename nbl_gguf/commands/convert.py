@@ -127,16 +127,19 @@ def calibration_settings(args, directory: Path, model) -> Settings:
 
 
 def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args) -> dict:
-    """llama-perplexity of the stock and the NBL file on the first chunks of the bundled held-out text
-    (documents never used for calibration)."""
-    from nbl_gguf.calibration.dataset import write_heldout_text
+    """{kind: llama-perplexity of the stock and the NBL file} on the first chunks of each bundled kind's
+    evaluation part (C4 web text, Python docs, Python code: text never calibrated or selected on)."""
+    from nbl_gguf.calibration.dataset import KINDS, write_evaluation_text
     from nbl_gguf.llamacpp.perplexity import perplexity
 
-    text = write_heldout_text(tmp / "heldout.txt")
-    results = {name: perplexity(path, text, n_ctx=EVAL_CTX, chunks=args.eval_chunks, threads=args.threads)
-               for name, path in (("stock", stock), ("nbl", nbl))}
-    return {"tokens": results["nbl"].tokens, "chunks": results["nbl"].chunks, "ctx": EVAL_CTX,
-            "stock": results["stock"].ppl, "nbl": results["nbl"].ppl}
+    measured = {}
+    for kind in KINDS:
+        text = write_evaluation_text(kind, tmp / f"heldout-{kind}.txt")
+        results = {name: perplexity(path, text, n_ctx=EVAL_CTX, chunks=args.eval_chunks, threads=args.threads)
+                   for name, path in (("stock", stock), ("nbl", nbl))}
+        measured[kind] = {"tokens": results["nbl"].tokens, "chunks": results["nbl"].chunks, "ctx": EVAL_CTX,
+                          "stock": results["stock"].ppl, "nbl": results["nbl"].ppl}
+    return measured
 
 
 def imatrix_context(artifact) -> int:
@@ -311,6 +314,8 @@ def convert(args) -> Summary:
         stock_reader = gguf.GGUFReader(stock_final)
         # the KV cache at the summary's context and at the training context, llama-cli's default -c, if longer
         contexts = sorted({SUMMARY_CTX, max(SUMMARY_CTX, training_context(stock_reader) or 0)})
+        if args.ctx_size:  # the context the selection reported its saving at
+            contexts = sorted({SUMMARY_CTX, args.ctx_size})
         kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types) for n_ctx in contexts}
         return Summary(heldout=heldout, notes=notes,
             model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=method,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nbl_gguf.calibration.dataset import KINDS
 from nbl_gguf.gguf.from_artifact import RUNTIMES
 
 
@@ -22,7 +23,7 @@ class Summary:
     nbl_bytes: int
     kv: dict  # context -> (stock, NBL) kv_cache.KvSize, as llama-cli allocates the cache
     output: Path
-    heldout: dict | None = None  # heldout_perplexities(), or None with --no-eval
+    heldout: dict | None = None  # {kind: heldout_perplexities()'s figures}, or None with --no-eval
     runtime: str = "nbl"
     extra: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # printed under the table
@@ -49,9 +50,9 @@ class Summary:
                     before, after = stock.caches[name], nbl.caches[name]
                     rows.append((f"  {what}: {after.cells:,} cells", human_bytes(before.bytes), human_bytes(after.bytes),
                                  change(before.bytes, after.bytes)))
-        if self.heldout:
-            rows.append((f"held-out perplexity ({self.heldout['tokens']:,} tokens)", f"{self.heldout['stock']:.3f}",
-                         f"{self.heldout['nbl']:.3f}", change(self.heldout["stock"], self.heldout["nbl"])))
+        for kind, measured in (self.heldout or {}).items():
+            rows.append((f"held-out perplexity, {KINDS[kind].label} ({measured['tokens']:,} tokens)",
+                         f"{measured['stock']:.3f}", f"{measured['nbl']:.3f}", change(measured["stock"], measured["nbl"])))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"{self.model}: {self.method} by {self.criterion}, {len(self.replaced)} of {self.n_layer} layers "
                  f"replaced: {', '.join(map(str, self.replaced)) or 'none'}"]
@@ -64,8 +65,12 @@ class Summary:
             if index == 0:
                 lines.append("  " + "  ".join("-" * w for w in widths))
         if self.heldout:
-            lines.append(f"  held-out perplexity: llama-perplexity, {self.heldout['chunks']} chunks of "
-                         f"{self.heldout['ctx']} tokens of the bundled C4 documents never used for calibration")
+            first = next(iter(self.heldout.values()))
+            lines.append(f"  held-out perplexity: llama-perplexity, up to {first['chunks']} chunks of {first['ctx']} "
+                         f"tokens of each kind's bundled documents never used for calibration or layer selection")
+            worst = max(self.heldout, key=lambda kind: self.heldout[kind]["nbl"] / self.heldout[kind]["stock"])
+            lines.append(f"  worst kind of text: {KINDS[worst].label}, "
+                         f"{change(self.heldout[worst]['stock'], self.heldout[worst]['nbl'])}")
         lines += [f"  {note}" for note in self.notes]
         lines.append(f"  layout: {RUNTIMES[self.runtime]}")
         lines.append(f"  output: {self.output}")

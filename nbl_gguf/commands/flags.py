@@ -14,7 +14,9 @@ import re
 
 from nbl_gguf import models
 from nbl_gguf.calibration.artifact import DEFAULT_CRITERION, SELECTIONS
-from nbl_gguf.calibration.calibrate import DEFAULT_M, DEFAULT_MAX_PPL_INCREASE, DEFAULT_SELECTION_TOKENS
+from nbl_gguf.calibration.calibrate import (DEFAULT_M, DEFAULT_MAX_PPL_INCREASE, DEFAULT_SELECTION_TEXT,
+                                            DEFAULT_SELECTION_TOKENS)
+from nbl_gguf.errors import NblError
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
@@ -118,6 +120,26 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", type=int, default=None,
                         help="greedy: layers tried at each step, the first not yet chosen of the cosine and nmse rankings "
                              "in turn (default: 5)")
+    parser.add_argument("--selection-text", type=check_selection_text, default=DEFAULT_SELECTION_TEXT, metavar="TEXT",
+                        help="the held-out windows that --m auto and --criterion best/greedy measure: 'mix' (the "
+                             "calibration text's windows after the fit windows, and the bundled Python documentation "
+                             "and Python code held out for selection, a third of the windows each), 'calibration' "
+                             "(the calibration text's only), or KIND:WEIGHT,... of the kinds calibration, prose, code "
+                             f"(default: {DEFAULT_SELECTION_TEXT})")
+    parser.add_argument("-c", "--ctx-size", type=positive_int, default=None, metavar="N",
+                        help="context at which the selection reports the KV cache its layers save, as llama.cpp "
+                             "allocates it (default: the model's training context, llama-cli's default)")
+
+
+def check_selection_text(text: str) -> str:
+    """--selection-text, checked when the command line is read (a typo costs no calibration)."""
+    from nbl_gguf.calibration.dataset import parse_selection_text
+
+    try:
+        parse_selection_text(text)
+    except NblError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:

@@ -127,8 +127,9 @@ def get_calibration(args, source, work: Path):
 
 def best_choices(artifact, source, methods: list[str], ms: list[int], cache, calib_tag: str) -> dict:
     """What `--criterion best` picks at each (method, m): the local criterion whose m layers cost the model
-    least on held-out calibration windows: the windows calibrate held out after the artifact's fit windows
-    (as many as it did, or the default 8k tokens' worth when it held none out; calibration.select.best_of)."""
+    least on held-out windows: those calibrate measured (the calibration text's windows after the artifact's
+    fit windows and the bundled kinds' windows, as its report records them), or the default 8k tokens' worth
+    of the default --selection-text when it held none out (calibration.select.best_of)."""
     # measured for Attn NBL only: each choice costs about two passes of the model over the held-out windows,
     # and the Attn DROP rows show every criterion anyway
     methods = [method for method in methods if method == "attn-nbl"]
@@ -138,8 +139,9 @@ def best_choices(artifact, source, methods: list[str], ms: list[int], cache, cal
     import torch
 
     from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
-    from nbl_gguf.calibration.calibrate import DEFAULT_SELECTION_TOKENS
-    from nbl_gguf.calibration.dataset import load_calibration
+    from nbl_gguf.calibration.calibrate import DEFAULT_SELECTION_TEXT, DEFAULT_SELECTION_TOKENS
+    from nbl_gguf.calibration.dataset import (CALIBRATION_KIND, bundled_selection_windows, load_calibration,
+                                              mix_windows, parse_selection_text)
     from nbl_gguf.calibration.select import best_of
     from nbl_gguf.calibration.solve import ranking
     from nbl_gguf.calibration.stream import LayerStream, StreamedEvaluator
@@ -147,18 +149,24 @@ def best_choices(artifact, source, methods: list[str], ms: list[int], cache, cal
 
     data = artifact.report["data"]
     seqlen, fit_windows = int(data["seqlen"]), int(data["nsamples"])
-    held = int(data.get("selection_windows") or 0) or -(-DEFAULT_SELECTION_TOKENS // seqlen)
+    held = int(data.get("selection_windows") or 0)
+    # an artifact from before the mix held out calibration windows only
+    counts = (data.get("selection_text") or {}).get("windows") or ({CALIBRATION_KIND: held} if held else mix_windows(
+        parse_selection_text(DEFAULT_SELECTION_TEXT), -(-DEFAULT_SELECTION_TOKENS // seqlen)))
+    own = counts.get(CALIBRATION_KIND, 0)
     torch.manual_seed(0)
     # the calibration's own compute type, so that the losses (and the choice) repeat calibrate's
     dtype = getattr(torch, artifact.report["model"].get("dtype") or "float32")
     stream = LayerStream(source, dtype, "cpu")
-    windows = load_calibration(stream.tokenizer, data.get("dataset"), fit_windows + held, seqlen,
+    windows = load_calibration(stream.tokenizer, data.get("dataset"), fit_windows + own, seqlen,
                                config=data.get("dataset_config"), split=data.get("split") or "train",
                                max_positions=max_context(stream.config))
-    if windows.nsamples <= fit_windows:
+    if own and windows.nsamples <= fit_windows:
         raise NblError(f"--criterion best: the calibration text has no windows left after the {fit_windows} fit "
                        f"windows to choose the layers on")
-    heldout = windows.input_ids[fit_windows:]
+    bundled, _ = bundled_selection_windows(stream.tokenizer, {k: n for k, n in counts.items() if k != CALIBRATION_KIND},
+                                           seqlen)
+    heldout = torch.cat([windows.input_ids[fit_windows:], bundled])
     rankings = {c: ranking(artifact.scores(c, "attn")) for c in CRITERIA}
     choices = {}
     for method in methods:
