@@ -156,7 +156,7 @@ CASES = {
                                              (r"argument --selection-text: --selection-text 'wiki:1': use mix, "
                                               r"calibration or KIND:WEIGHT",)),
     "convert-ctx-size-zero": Case(("convert", "--ctx-size", "0", "-o", "out.gguf"),
-                                  (r"argument --ctx-size: must be at least 1, got 0",)),
+                                  (r"argument -c/--ctx-size: must be at least 1, got 0",)),
     "calibrate-unknown-criterion": Case(("calibrate", "--criterion", "vibes"),
                                         (r"argument --criterion: invalid choice: 'vibes'",)),
     "bench-bad-depths": Case(("bench", "--shape", "llama-3.2-1b", "--depths", "0,x"),

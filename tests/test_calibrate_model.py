@@ -150,8 +150,12 @@ def test_calibrate_end_to_end_artifact(tiny_checkpoint):
     assert report["model"]["num_layers"] == 3 and report["model"]["hidden_size"] == 32
     assert report["data"]["tokens"] == 8 * 32 == report["statistics"]["tokens_per_layer"]
     assert len(report["data"]["sha256"]) == 64
+    kv = report["selection"].pop("kv_cache")
     assert report["selection"] == {"method": "attn-nbl", "criterion": "cosine", "m": 1,
                                    "layers": art.select()}
+    # no sliding window: replacing 1 of 3 layers frees a third of the cache at any context
+    assert kv["stock"]["caches"]["global"]["layers"] == 3 and kv["nbl"]["caches"]["global"]["layers"] == 2
+    assert 3 * kv["nbl"]["bytes"] == 2 * kv["stock"]["bytes"] > 0
     assert set(report["timings_s"]) >= {"load_model", "load_data", "layers"}  # streamed: per layer
     assert set(report["resources"]["layers"]) >= {"wall_s", "peak_rss_bytes"}
     assert report["statistics"]["streamed"] and len(report["statistics"]["stream"]["per_layer_s"]) == 3
