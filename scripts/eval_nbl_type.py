@@ -1,7 +1,8 @@
 """Held-out perplexity against the NBL weights' ggml type (issue 19, point 0): one GGUF --model, one
 calibration artifact, the same layers for every type, `convert --nbl-type T` for each type and m.
-One JSON line per (m, type): the file's bytes, the stock and NBL perplexity on the bundled held-out
-text (llama-perplexity), and which layers.
+One JSON line per (m, type): the file's bytes, the stock and NBL perplexity on each kind of bundled
+held-out text (llama-perplexity; rows written before issue 22 hold C4's alone, at the top level), and
+which layers.
 
     python scripts/eval_nbl_type.py --model Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf \\
         --calibration bench-results/dtypes-qwen/calibration-bf16 --ms 4,8 --types default,q4_k,q5_k,q6_k,q8_0,f16 \\
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="GGUF file")
+    parser.add_argument("--model", required=True, help="GGUF file (or HF folder: then --quant's types)")
     parser.add_argument("--calibration", required=True, help="its calibration artifact")
     parser.add_argument("--ms", default="4,8")
     parser.add_argument("--types", default="default,q4_k,q5_k,q6_k,q8_0,f16")
@@ -48,12 +49,12 @@ def main(argv=None) -> int:
                 convert_command.add_arguments(command)
                 start = time.perf_counter()
                 summary = convert_command.convert(command.parse_args(argv))
-                heldout = summary.heldout
+                # one entry per kind of held-out text (C4 web text, Python docs, Python code)
+                heldout = {kind: {"tokens": h["tokens"], "stock_ppl": h["stock"], "nbl_ppl": h["nbl"],
+                                  "increase_pct": 100 * (h["nbl"] / h["stock"] - 1)} for kind, h in summary.heldout.items()}
                 row = {"model": Path(args.model).name, "m": m, "nbl_type": nbl_type, "layers": summary.replaced,
                        "criterion": args.criterion, "nbl_bytes": summary.nbl_bytes, "stock_bytes": summary.stock_bytes,
-                       "tokens": heldout["tokens"], "stock_ppl": heldout["stock"], "nbl_ppl": heldout["nbl"],
-                       "increase_pct": 100 * (heldout["nbl"] / heldout["stock"] - 1),
-                       "seconds": round(time.perf_counter() - start, 1)}
+                       "heldout": heldout, "seconds": round(time.perf_counter() - start, 1)}
                 print(json.dumps(row), flush=True)
                 out.write(json.dumps(row) + "\n")
                 out.flush()
