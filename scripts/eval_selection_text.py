@@ -9,6 +9,9 @@ each kind's evaluation windows.
     python scripts/eval_selection_text.py --calibration ART --ms 4,8 \\
         --variants "calibration;mix;mix" --windows 4,4,6 --out selection-text.jsonl
 
+With --max-ppl-increase P, each variant also runs --m auto (best, cosine walked first) and the layers
+it kept are scored on each kind's evaluation part (--ms "" for those rows alone).
+
 --variants and --windows pair up (one window count per variant). The rankings do not depend on the
 variant, so every variant chooses among the same candidate sets, and the evaluation rows score them all.
 """
@@ -29,6 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ms", default="4,8")
     parser.add_argument("--variants", default="calibration;mix", help="--selection-text values, separated by ';'")
     parser.add_argument("--windows", default="4,4", help="held-out windows of each variant")
+    parser.add_argument("--max-ppl-increase", type=float, default=None, metavar="P",
+                        help="also --m auto with this budget: each variant's choice, then its layers on each kind")
     parser.add_argument("--eval-windows", type=int, default=2,
                         help="windows (of the artifact's seqlen) of each kind's evaluation part (default: 2)")
     parser.add_argument("--out", required=True)
@@ -37,6 +42,7 @@ def main(argv=None) -> int:
     import torch
 
     from nbl_gguf.calibration import calibrate
+    from nbl_gguf.calibration.artifact import LOCAL_DEFAULT
     from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
     from nbl_gguf.calibration.artifact import CRITERIA, load_artifact
     from nbl_gguf.calibration.dataset import EVALUATION, KINDS, build_windows, kind_texts
@@ -51,7 +57,8 @@ def main(argv=None) -> int:
     windows = [int(w) for w in args.windows.split(",")]
     if len(windows) != len(variants):
         raise SystemExit("--windows needs one count per variant")
-    ms = [int(m) for m in args.ms.split(",")]
+    ms = [int(m) for m in args.ms.split(",") if m]
+    auto_sets = {}  # variant -> the layers --m auto kept
     torch.manual_seed(0)
     # the calibration's own compute type, as sweep's best uses it
     dtype = getattr(torch, artifact.report["model"].get("dtype") or "float32")
@@ -80,6 +87,16 @@ def main(argv=None) -> int:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(json.dumps(row), file=sys.stderr)
+            if args.max_ppl_increase is not None:
+                chosen, trace, compared = best_of(evaluator, rankings, None, args.max_ppl_increase, walk_first=LOCAL_DEFAULT)
+                auto_sets[variant] = list(trace.order)
+                row = {"variant": variant, "windows": made_of["windows"], "auto": args.max_ppl_increase,
+                       "chosen": chosen, "layers": auto_sets[variant], "tokens": evaluator.tokens,
+                       "compared": {c: {"layers": layers, "ppl_increase_pct": inc} for c, (layers, inc) in compared.items()},
+                       "seconds": round(time.time() - start, 1)}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                print(json.dumps(row), file=sys.stderr)
             evaluator.close()
         # every criterion's m layers on each kind's evaluation part
         seqlen = int(data["seqlen"])
@@ -96,6 +113,16 @@ def main(argv=None) -> int:
                        "base_ppl": round(math.exp(evaluator.base_loss), 4),
                        "compared": {c: {"layers": sets[c], "ppl_increase_pct": round(ppl_increase(loss, evaluator.base_loss), 3)}
                                     for c, loss in zip(sets, losses)},
+                       "seconds": round(time.time() - start, 1)}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                print(json.dumps(row), file=sys.stderr)
+            if auto_sets:
+                losses = evaluator.losses(list(auto_sets.values()))
+                row = {"evaluation": kind, "auto": args.max_ppl_increase, "tokens": evaluator.tokens,
+                       "base_ppl": round(math.exp(evaluator.base_loss), 4),
+                       "variants": {v: {"layers": auto_sets[v], "ppl_increase_pct": round(ppl_increase(loss, evaluator.base_loss), 3)}
+                                    for v, loss in zip(auto_sets, losses)},
                        "seconds": round(time.time() - start, 1)}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
