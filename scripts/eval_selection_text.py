@@ -25,6 +25,13 @@ import sys
 import time
 
 
+def emit(out, row: dict) -> None:
+    """One JSON line to the results file (flushed: a long run keeps what it measured) and to stderr."""
+    out.write(json.dumps(row) + "\n")
+    out.flush()
+    print(json.dumps(row), file=sys.stderr)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibration", required=True, help="artifact directory (calibrate -o / --save-calibration)")
@@ -84,9 +91,7 @@ def main(argv=None) -> int:
                        "tokens": evaluator.tokens,
                        "compared": {c: {"layers": layers, "ppl_increase_pct": inc} for c, (layers, inc) in compared.items()},
                        "seconds": round(time.time() - start, 1)}
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                print(json.dumps(row), file=sys.stderr)
+                emit(out, row)
             if args.max_ppl_increase is not None:
                 chosen, trace, compared = best_of(evaluator, rankings, None, args.max_ppl_increase, walk_first=LOCAL_DEFAULT)
                 auto_sets[variant] = list(trace.order)
@@ -94,9 +99,7 @@ def main(argv=None) -> int:
                        "chosen": chosen, "layers": auto_sets[variant], "tokens": evaluator.tokens,
                        "compared": {c: {"layers": layers, "ppl_increase_pct": inc} for c, (layers, inc) in compared.items()},
                        "seconds": round(time.time() - start, 1)}
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                print(json.dumps(row), file=sys.stderr)
+                emit(out, row)
             evaluator.close()
         # every criterion's m layers on each kind's evaluation part
         seqlen = int(data["seqlen"])
@@ -114,9 +117,7 @@ def main(argv=None) -> int:
                        "compared": {c: {"layers": sets[c], "ppl_increase_pct": round(ppl_increase(loss, evaluator.base_loss), 3)}
                                     for c, loss in zip(sets, losses)},
                        "seconds": round(time.time() - start, 1)}
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                print(json.dumps(row), file=sys.stderr)
+                emit(out, row)
             if auto_sets:
                 losses = evaluator.losses(list(auto_sets.values()))
                 row = {"evaluation": kind, "auto": args.max_ppl_increase, "tokens": evaluator.tokens,
@@ -124,9 +125,7 @@ def main(argv=None) -> int:
                        "variants": {v: {"layers": auto_sets[v], "ppl_increase_pct": round(ppl_increase(loss, evaluator.base_loss), 3)}
                                     for v, loss in zip(auto_sets, losses)},
                        "seconds": round(time.time() - start, 1)}
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                print(json.dumps(row), file=sys.stderr)
+                emit(out, row)
             evaluator.close()
     return 0
 
