@@ -1,121 +1,127 @@
 #!/usr/bin/env bash
-# The GPU half of the benchmark suite (docs/results/bench-cpu.md has the CPU half): NBL against
-# stock llama.cpp with CUDA, on a machine with an NVIDIA GPU, from the repository root.
+# The GPU half of the measurements (docs/results/bench-cpu.md and scale-cpu.md have the CPU half), on a
+# machine with an NVIDIA GPU and no network, from the repository root. docs/results/gpu.md has the figures.
 #
-#   bash scripts/gpu_bench.sh [STAGE ...]        default: all = build models 8b hf 1b
+#   bash scripts/gpu_bench.sh [STAGE ...]        default: all = build models calibrate bench8b tests
 #
-# Stages (each fits in a 10-minute call on an H100; run them back to back, they reuse each other's files):
-#   pack    (on the development machine, before going to the GPU machine, which has no network)
-#           packs the patched llama.cpp tree into .carry/llama.cpp-src.tar.xz (~9 MB; .carry/ is
-#           git-ignored: name it in the device tool's `carry`)
-#   build   CUDA build of the patched llama.cpp into $NBL_GGUF_BUILD (default build-cuda): by
-#           scripts/build_llama.sh when the llama-cpp-python sdist is at hand, else by plain cmake
-#           from the packed tree; also puts gguf-py on PYTHONPATH for the later stages
-#   models  makes the Llama-3.1-8B-shaped random-weight q4_k_m GGUFs: stock and NBL m=12 of 32
-#   8b      bench on CUDA: pp512 and tg128 at depths 0, 2048, 8192, 32768, 2 interleaved rounds
-#   hf      the HF transformers model (random weights, same shape, apply_nbl with the GGUF's NBL
-#           layers, bf16) against llama.cpp at depth 0 on CUDA (--hf-compare)
-#   1b      Llama-3.2-1B shape, q4_k_m, m=6 of 16: CPU (-ngl 0 -dev none) and CUDA (-ngl 99) side by side
+# Stages:
+#   pack       (on the development machine, after scripts/setup.sh) puts into .carry/ (git-ignored; name it
+#              in the device tool's `carry`): the build folder's patched llama.cpp tree with its stamp, so
+#              the top-level CMakeLists.txt builds it without the sdist (~13 MB); the embedded model's
+#              tokenizer files; llama-cpp-python's Python files, which load the CUDA libllama through
+#              LLAMA_CPP_LIB_PATH
+#   build      the top-level CMakeLists.txt with GGML_CUDA=ON into $NBL_GGUF_BUILD (default build-cuda)
+#   models     the Llama-3.1-8B-shaped random-weight F16 safetensors folder and its Q4_K_M GGUF
+#              (scripts/make_scale_models.py, as in scale-cpu.md)
+#   calibrate  `convert` of that GGUF on CUDA, as scale-cpu.md's CPU run (--m 12, 16 x 2048, best,
+#              held-out perplexity step): summary, stage times, peak RSS and peak GPU memory
+#   bench8b    llama-bench on CUDA, stock Q4_K_M against the NBL file `calibrate` made: pp512 and tg128
+#              at depths 0, 4096 and 16384, 2 interleaved rounds
+#   hf         (not in all; not run yet) transformers bf16 on CUDA, same shape and NBL layers, against llama.cpp
+#   1b         (not in all; not run yet) Llama-3.2-1B shape, m=6: CPU (-ngl 0 -dev none) and CUDA side by side
+#   tests      the in-process and tool tests of the patched llama.cpp (NBL and taps layers, llama-server,
+#              KV sizes) with every layer offloaded (NBL_GGUF_N_GPU_LAYERS=99; the tools offload by default)
 #
-# Environment: RESULTS (default $OUT/gpu-bench when the device tool sets OUT, else bench-results/gpu),
-# NBL_GGUF_BUILD (default build-cuda), PYTHON (default .venv/bin/python, else python3),
-# CUDA_ARCH (default 90: H100/H200), BENCH_WORK (GGUF cache, default /tmp/nbl-bench-work).
+# Environment: RESULTS (default $OUT/gpu when the device tool sets OUT, else bench-results/gpu),
+# NBL_GGUF_BUILD (default build-cuda), PYTHON (default python3), CUDA_ARCH (default 90: H100/H200),
+# BENCH_WORK (large files, default /tmp/nbl-gpu-work).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 export NBL_GGUF_BUILD=${NBL_GGUF_BUILD:-$root/build-cuda}
-results=${RESULTS:-${OUT:+$OUT/gpu-bench}}
+results=${RESULTS:-${OUT:+$OUT/gpu}}
 results=${results:-$root/bench-results/gpu}
-work=${BENCH_WORK:-/tmp/nbl-bench-work}
+work=${BENCH_WORK:-/tmp/nbl-gpu-work}
 arch=${CUDA_ARCH:-90}
-if [ -z "${PYTHON:-}" ]; then
-    if [ -x "$root/.venv/bin/python" ]; then PYTHON=$root/.venv/bin/python; else PYTHON=$(command -v python3); fi
-fi
-packed=$root/.carry/llama.cpp-src.tar.xz
+PYTHON=${PYTHON:-$(command -v python3)}
+carry=$root/.carry
+scale=$work/scale
+stock_gguf=$scale/llama-3.1-8b-random-q4_k_m.gguf
+nbl_gguf=$work/nbl-8b-cuda.gguf
+mkdir -p "$results" "$work"
+export PYTHONPATH="$root:$carry/pylib${PYTHONPATH:+:$PYTHONPATH}"
+export LLAMA_CPP_LIB_PATH=$NBL_GGUF_BUILD/bin
 
-# gguf-py from the pinned tree when the environment has no gguf package (the GPU image has none)
-if ! "$PYTHON" -c "import gguf" 2>/dev/null; then
-    for src in "$NBL_GGUF_BUILD/llama.cpp-src" "$root/build/llama.cpp-src"; do
-        if [ -d "$src/gguf-py" ]; then export PYTHONPATH="$src/gguf-py${PYTHONPATH:+:$PYTHONPATH}"; break; fi
-    done
-fi
-
-log() { echo "gpu_bench: $*" >&2; }
-bench() { "$PYTHON" -m nbl_gguf bench --work-dir "$work" "$@"; }
+log() { echo "gpu_bench: $(date +%T) $*" >&2; }
+timed() { "$PYTHON" - "$@" <<'EOF'
+import resource, subprocess, sys, time
+t = time.time(); rc = subprocess.call(sys.argv[1:])
+print(f"gpu_bench: wall {time.time() - t:.1f} s, peak RSS of children {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20:.2f} GiB, rc {rc}", file=sys.stderr)
+sys.exit(rc)
+EOF
+}
 
 stage_pack() {
-    local src=$root/build/llama.cpp-src
-    [ -f "$src/CMakeLists.txt" ] || { log "no patched tree in $src: run scripts/build_llama.sh first"; exit 1; }
-    mkdir -p "$root/.carry"
-    tar -C "$root/build" --exclude='llama.cpp-src/models' --exclude='llama.cpp-src/docs' \
-        --exclude='llama.cpp-src/benches' --exclude='llama.cpp-src/tests' --exclude='llama.cpp-src/.git' \
-        -cJf "$packed" llama.cpp-src
-    log "packed $(du -h "$packed" | cut -f1) into $packed: carry .carry to the GPU machine"
+    local build=$root/build
+    [ -f "$build/llama.cpp-src.stamp" ] || { log "no patched tree in $build: run scripts/setup.sh first"; exit 1; }
+    mkdir -p "$carry/tokenizer" "$carry/pylib"
+    tar -C "$build" --exclude='llama.cpp-src/models' --exclude='llama.cpp-src/docs' --exclude='llama.cpp-src/benches' \
+        --exclude='llama.cpp-src/tests' --exclude='llama.cpp-src/.git' --exclude='__pycache__' \
+        -cJf "$carry/llama-tree.tar.xz" llama.cpp-src llama.cpp-stock-src llama.cpp-src.stamp
+    local model_dir
+    model_dir=$("$PYTHON" -c "from nbl_gguf import models; print(models.default_model_dir())")
+    cp "$model_dir"/{tokenizer.json,tokenizer_config.json,config.json} "$carry/tokenizer/"
+    local package
+    package=$("$PYTHON" -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('llama_cpp').origin))")
+    rm -rf "$carry/pylib/llama_cpp"
+    cp -r "$package" "$carry/pylib/llama_cpp"
+    rm -rf "$carry/pylib/llama_cpp/lib"
+    find "$carry/pylib" -name __pycache__ -prune -exec rm -rf {} +
+    log "packed $(du -sh "$carry" | cut -f1) into $carry"
 }
 
 stage_build() {
     nvidia-smi -L
-    if [ -x "$NBL_GGUF_BUILD/bin/llama-bench" ] && "$NBL_GGUF_BUILD/bin/llama-bench" --list-devices 2>&1 | grep -q CUDA; then
-        log "CUDA build already in $NBL_GGUF_BUILD"; return
-    fi
-    local sdist=${NBL_DOWNLOAD_DIR:-$HOME/.cache/nbl-gguf}/llama_cpp_python-0.3.36.tar.gz
-    if [ -f "$sdist" ]; then
-        GGML_CUDA=ON NBL_CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=$arch ${NBL_CMAKE_ARGS:-}" PYTHON=$PYTHON \
-            bash "$root/scripts/build_llama.sh"
-    elif [ -f "$packed" ]; then
-        # the packed tree is the patched llama.cpp itself: build the tools the bench needs into bin/
+    if [ ! -f "$NBL_GGUF_BUILD/llama.cpp-src.stamp" ]; then
         mkdir -p "$NBL_GGUF_BUILD"
-        [ -f "$NBL_GGUF_BUILD/llama.cpp-src/CMakeLists.txt" ] || tar -C "$NBL_GGUF_BUILD" -xJf "$packed"
-        local gen=() noamx=()
-        # as the top-level CMakeLists.txt does: no AMX kernels (SIGILL on VMs that list AMX in CPUID)
-        [ "$(uname -m)" = x86_64 ] && noamx=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-                                             -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
-        command -v ninja >/dev/null 2>&1 && [ ! -f "$NBL_GGUF_BUILD/CMakeCache.txt" ] && gen=(-G Ninja)
-        cmake -S "$NBL_GGUF_BUILD/llama.cpp-src" -B "$NBL_GGUF_BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-            -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DBUILD_SHARED_LIBS=ON -DLLAMA_OPENSSL=OFF \
-            -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_RPATH='$ORIGIN' "${noamx[@]}"
-        cmake --build "$NBL_GGUF_BUILD" --target llama-bench llama-quantize -j "$(nproc)"
-        export PYTHONPATH="$NBL_GGUF_BUILD/llama.cpp-src/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
-    else
-        log "neither the sdist ($sdist) nor $packed: run 'bash scripts/gpu_bench.sh pack' where the build exists"
-        exit 1
+        tar -C "$NBL_GGUF_BUILD" -xJf "$carry/llama-tree.tar.xz"
     fi
+    GGML_CUDA=ON NBL_CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=$arch ${NBL_CMAKE_ARGS:-}" PYTHON=$PYTHON \
+        bash "$root/scripts/build_llama.sh" > "$results/build.log" 2>&1 || { tail -40 "$results/build.log"; exit 1; }
     "$NBL_GGUF_BUILD/bin/llama-bench" --list-devices
 }
 
 stage_models() {
-    "$PYTHON" - "$work" <<'EOF'
-import sys
-from nbl_gguf.fixtures import synthetic
-shape = synthetic.get_shape("llama-3.1-8b")
-print(synthetic.make_pair(shape, "q4_k_m", [12], f"{sys.argv[1]}/synthetic", log=lambda m: print(m, flush=True)))
-EOF
+    timed "$PYTHON" scripts/make_scale_models.py --shape llama-3.1-8b --out "$scale" --tokenizer "$carry/tokenizer"
+    rm -rf "$scale/llama-3.1-8b-random-f16"  # the disk holds the GGUFs; the folder is not read again
 }
 
-stage_8b() {
-    bench --shape llama-3.1-8b --m 12 --quant q4_k_m --backends cuda -d 0,2048,8192,32768 -p 512 -n 128 \
-        --rounds 2 -r 2 -o "$results/llama-3.1-8b-q4_k_m-cuda"
+stage_calibrate() {
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+    timed "$PYTHON" -m nbl_gguf convert --model "$stock_gguf" --m 12 --nsamples 16 --seqlen 2048 --device cuda \
+        --save-calibration "$work/calibration-8b-cuda" --no-progress -o "$nbl_gguf" 2>&1 | tee "$results/calibrate-8b.log"
+    cp "$work/calibration-8b-cuda/report.json" "$results/calibrate-8b-report.json" 2>/dev/null || true
+}
+
+stage_bench8b() {
+    "$PYTHON" -m nbl_gguf bench --baseline "$stock_gguf" --nbl "$nbl_gguf" --backends cuda -d 0,4096,16384 \
+        -p 512 -n 128 --rounds 2 -r 2 --no-plot -o "$results/bench-8b-cuda" 2>&1 | tail -40
 }
 
 stage_hf() {
-    bench --shape llama-3.1-8b --m 12 --quant q4_k_m --backends cuda -d 0 -p 512 -n 128 --rounds 2 -r 2 \
-        --hf-compare --device cuda --dtype bf16 -o "$results/llama-3.1-8b-hf-compare"
+    "$PYTHON" -m nbl_gguf bench --shape llama-3.1-8b --m 12 --quant q4_k_m --backends cuda -d 0 -p 512 -n 128 \
+        --rounds 2 -r 2 --hf-compare --device cuda --dtype bf16 --work-dir "$work/bench" -o "$results/llama-3.1-8b-hf-compare"
 }
 
 stage_1b() {
-    bench --shape llama-3.2-1b --m 6 --quant q4_k_m --backends cpu,cuda -d 0,2048,8192 -p 512 -n 64 \
-        --rounds 2 -r 1 -o "$results/llama-3.2-1b-q4_k_m-cpu-cuda"
+    "$PYTHON" -m nbl_gguf bench --shape llama-3.2-1b --m 6 --quant q4_k_m --backends cpu,cuda -d 0,2048,8192 \
+        -p 512 -n 64 --rounds 2 -r 1 --work-dir "$work/bench" -o "$results/llama-3.2-1b-q4_k_m-cpu-cuda"
+}
+
+stage_tests() {
+    NBL_GGUF_N_GPU_LAYERS=99 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" \
+        tests/test_llama_nbl.py tests/test_llama_taps.py tests/test_llama_server.py tests/test_kv_cache.py \
+        2>&1 | tee "$results/tests-cuda.log" | tail -60
 }
 
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(all)
 for stage in "${stages[@]}"; do
     case $stage in
-        all) stage_build; stage_models; stage_8b; stage_hf; stage_1b ;;
-        pack|build|models|8b|hf|1b) log "stage $stage"; "stage_$stage" ;;
-        *) log "unknown stage '$stage' (pack, build, models, 8b, hf, 1b, all)"; exit 2 ;;
+        all) for s in build models calibrate bench8b tests; do log "stage $s"; "stage_$s"; done ;;
+        pack|build|models|calibrate|bench8b|hf|1b|tests) log "stage $stage"; "stage_$stage" ;;
+        *) log "unknown stage '$stage' (pack, build, models, calibrate, bench8b, hf, 1b, tests, all)"; exit 2 ;;
     esac
 done
 log "results in $results"

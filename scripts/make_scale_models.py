@@ -29,6 +29,9 @@ def main() -> int:
     parser.add_argument("--out", default="bench-results/scale")
     parser.add_argument("--quant", default="q4_k_m")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="folder with the tokenizer files (default: the embedded SmolLM2's; a machine without "
+                             "the embedded model, such as a GPU machine, is given them)")
     args = parser.parse_args()
     shape = get_shape(args.shape)
     out = Path(args.out)
@@ -36,7 +39,7 @@ def main() -> int:
     folder = out / f"{shape.name}-random-f16"
     gguf = out / f"{shape.name}-random-{args.quant.lower()}.gguf"
     t0 = time.time()
-    write_random_hf_folder(shape, folder, models.default_model_dir(), seed=args.seed)
+    write_random_hf_folder(shape, folder, args.tokenizer or models.default_model_dir(), seed=args.seed)
     print(f"{folder} ({time.time() - t0:.0f} s)", flush=True)
     if not gguf.is_file():
         t0 = time.time()

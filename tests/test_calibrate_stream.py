@@ -174,8 +174,10 @@ def tiny_folder(tmp_path_factory):
 
 
 def tiny_args(root):
+    # on the CPU: --memory-budget is host memory, and on a GPU machine the layer and the windows go to the GPU
     return ["--model", root / "model", "--dataset", root / "data.jsonl", "--nsamples", 24, "--seqlen", 64,
-            "--batch-size", 3, "--selection-windows", 16, "--m", 3, "--dtype", "fp32", "--targets", "attn"]
+            "--batch-size", 3, "--selection-windows", 16, "--m", 3, "--dtype", "fp32", "--targets", "attn",
+            "--device", "cpu"]
 
 
 def test_a_budget_below_one_layer_is_refused_before_any_work(tiny_folder, tmp_path):

@@ -80,3 +80,24 @@ def test_a_wrong_download_stops_the_configure_step(tmp_path):
     assert result.returncode != 0
     assert "checksum mismatch" in result.stderr
     assert not (tmp_path / "build" / "llama.cpp-src").exists()
+
+
+def test_a_build_folder_with_the_patched_tree_configures_without_the_sdist(tmp_path):
+    """A machine without network (the GPU machine) is given the build folder's patched tree and its
+    stamp: the configure step must neither download nor read the sdist then."""
+    build = llamacpp.build_dir()
+    given = tmp_path / "build"
+    given.mkdir()
+    for name in ("llama.cpp-src", "llama.cpp-stock-src"):
+        (given / name).symlink_to(build / name, target_is_directory=True)
+    shutil.copy(build / "llama.cpp-src.stamp", given / "llama.cpp-src.stamp")
+    empty = tmp_path / "no-downloads"
+    empty.mkdir()
+    result = subprocess.run(
+        ["cmake", "-S", str(ROOT), "-B", str(given), f"-DNBL_DOWNLOAD_DIR={empty}", "-DGGML_CUDA=OFF"],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "downloading" not in result.stdout and "extracting" not in result.stdout
+    assert not list(empty.iterdir())
+    assert (given / "CMakeCache.txt").exists()

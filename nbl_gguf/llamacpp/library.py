@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,9 +121,16 @@ def captured_log() -> Iterator[list[str]]:
         llama_cpp.llama_log_set(default_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
-def load_model(path: str | Path, *, n_ctx: int = 512, n_gpu_layers: int = 0, f32_kv: bool = False, **kwargs):
-    """A ``llama_cpp.Llama`` for ``path`` and its KV cache info; load errors carry llama.cpp's message."""
+def load_model(path: str | Path, *, n_ctx: int = 512, n_gpu_layers: int | None = None, f32_kv: bool = False,
+               **kwargs):
+    """A ``llama_cpp.Llama`` for ``path`` and its KV cache info; load errors carry llama.cpp's message.
+
+    ``n_gpu_layers`` None: ``NBL_GGUF_N_GPU_LAYERS`` or 0, so that the in-process tests run on a GPU
+    build's device when asked (docs/building.md)."""
     import llama_cpp
+
+    if n_gpu_layers is None:
+        n_gpu_layers = int(os.environ.get("NBL_GGUF_N_GPU_LAYERS", "0"))
 
     if f32_kv:
         kwargs.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
