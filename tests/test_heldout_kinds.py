@@ -208,9 +208,9 @@ def test_the_mixed_held_out_windows_come_from_each_kind(embedded_prepared):
                                        r"tokens, fewer than the 30"):
         load_windows(window_args(seqlen=2048, selection_windows=90, selection_text="mix"), embedded_prepared, True, fit)
     assert load_windows(window_args(seqlen=seqlen), embedded_prepared, False, fit)[1:] == (None, None)
-    # the default (docs/results/selection-text.md): the calibration text's windows only
+    # the default (docs/results/selection-text.md): the mix
     _, default, made_of = load_windows(window_args(seqlen=seqlen, selection_windows=6), embedded_prepared, True, fit)
-    assert made_of["windows"] == {"calibration": 6} and default.tolist() == only_c4.tolist()
+    assert made_of["windows"] == {"calibration": 2, "prose": 2, "code": 2} and default.tolist() == heldout.tolist()
 
 
 # --- the KV cache saving of the selection --------------------------------------------------------------------

@@ -30,10 +30,9 @@ DEFAULT_NSAMPLES = {"cuda": 256, "cpu": 32}
 DEFAULT_SELECTION_TOKENS = 8192  # held out for best/greedy/auto: 4 windows of 2048 by default
 KIND_NAMES = {"calibration": "the calibration text", "prose": "Python docs", "code": "Python code"}
 DEFAULT_KV_CTX = 4096  # the selection's KV figures for a model whose config names no training context
-# of the held-out windows: the mix chose the same layers at m = 4 and 8 on both models we have, and kept the
-# budget on every kind with --m auto on Qwen where C4 alone did not; it becomes the default once the main
-# job is re-run with it (docs/results/selection-text.md)
-DEFAULT_SELECTION_TEXT = "calibration"
+# of the held-out windows: the mix chose the same layers as C4 alone at m = 4 and 8 on both models we have,
+# and with --m auto on Qwen kept the budget on docs and code where C4 alone did not (docs/results/selection-text.md)
+DEFAULT_SELECTION_TEXT = "mix"
 DEFAULT_MAX_PPL_INCREASE = 10.0
 DEFAULT_OUTPUT_ROOT = Path("out") / "calibration"
 # the statistics' per-batch products: float32 partial sums added to float64 totals (see statistics.py)
