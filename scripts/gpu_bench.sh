@@ -20,7 +20,8 @@
 #   hf         (not in all; not run yet) transformers bf16 on CUDA, same shape and NBL layers, against llama.cpp
 #   1b         (not in all; not run yet) Llama-3.2-1B shape, m=6: CPU (-ngl 0 -dev none) and CUDA side by side
 #   tests      the in-process and tool tests of the patched llama.cpp (NBL and taps layers, llama-server,
-#              KV sizes) with every layer offloaded (NBL_GGUF_N_GPU_LAYERS=99; the tools offload by default)
+#              KV sizes) with every layer offloaded (NBL_GGUF_N_GPU_LAYERS=99; the tools offload by default),
+#              and the streamed calibration against the whole model on CUDA (scripts/gpu_tokenizer_plugin.py)
 #
 # Environment: RESULTS (default $OUT/gpu when the device tool sets OUT, else bench-results/gpu),
 # NBL_GGUF_BUILD (default build-cuda), PYTHON (default python3), CUDA_ARCH (default 90: H100/H200),
@@ -110,9 +111,18 @@ stage_1b() {
 }
 
 stage_tests() {
-    NBL_GGUF_N_GPU_LAYERS=99 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" \
+    # in the GPU image, loading libllama in-process died in print_info on std::ostream symbols resolved
+    # from libggml-cuda.so; the system libstdc++ first avoids it (docs/results/gpu.md)
+    local preload=/lib/x86_64-linux-gnu/libstdc++.so.6
+    [ -f "$preload" ] || preload=
+    LD_PRELOAD=$preload NBL_GGUF_N_GPU_LAYERS=99 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -o addopts="" \
         tests/test_llama_nbl.py tests/test_llama_taps.py tests/test_llama_server.py tests/test_kv_cache.py \
         2>&1 | tee "$results/tests-cuda.log" | tail -60
+    # the calibrator on the default device (CUDA here): streamed against whole-model, every family
+    PYTHONPATH="$root/scripts:$PYTHONPATH" "$PYTHON" -m pytest -q -rA -p no:cacheprovider -o addopts="" \
+        -p gpu_tokenizer_plugin tests/test_calibrate_stream.py \
+        -k "every_family or auto_and_greedy or hidden_states_on_disk or every_layer_type or budget_below" \
+        2>&1 | tee "$results/stream-cuda.log" | tail -30
 }
 
 stages=("$@")
