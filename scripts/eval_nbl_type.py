@@ -10,6 +10,13 @@ which layers.
 
 "default" is convert's own choice (the type of each layer's attn_output). The layers come from one
 local criterion (--criterion, default cosine), so every type is measured on the same layers.
+
+The same for past-token maps (issue 19, point 4): --taps 1,4 converts each row with each --taps (the
+artifact calibrated with --taps 4 holds both maps), and an HF --model takes --quants instead of
+--types (the whole file in that type, as `convert --quant`); a taps row also records the state bytes:
+
+    python scripts/eval_nbl_type.py --model "$(python -c 'from nbl_gguf import models; print(models.default_model_dir())')" \
+        --calibration CAL --ms 4,8,12 --quants q8_0,q4_k_m --taps 1,4 --out docs/results/taps-quality-smollm2.jsonl
 """
 
 from __future__ import annotations
@@ -30,35 +37,44 @@ def main(argv=None) -> int:
     parser.add_argument("--calibration", required=True, help="its calibration artifact")
     parser.add_argument("--ms", default="4,8")
     parser.add_argument("--types", default="default,q4_k,q5_k,q6_k,q8_0,f16")
+    parser.add_argument("--quants", default=None, help="HF --model: convert --quant for each (instead of --types)")
+    parser.add_argument("--taps", default="1", help="convert --taps for each (comma-separated)")
     parser.add_argument("--criterion", default="cosine")
     parser.add_argument("--eval-chunks", type=int, default=16)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
     from nbl_gguf.commands import convert as convert_command
+    from nbl_gguf.gguf.inspect import describe
 
+    variants = [("quant", q) for q in args.quants.split(",")] if args.quants else \
+        [("nbl_type", t) for t in args.types.split(",")]
+    rows = [(m, variant, taps) for m in [int(x) for x in args.ms.split(",")] for variant in variants
+            for taps in [int(x) for x in args.taps.split(",")]]
     with tempfile.TemporaryDirectory() as tmp, open(args.out, "a", encoding="utf-8") as out:
-        for m in [int(x) for x in args.ms.split(",")]:
-            for nbl_type in args.types.split(","):
-                output = Path(tmp) / f"nbl-{m}-{nbl_type}.gguf"
-                argv = ["--model", args.model, "--calibration", args.calibration, "--m", str(m), "--criterion",
-                        args.criterion, "--eval-chunks", str(args.eval_chunks), "--no-progress", "-o", str(output)]
-                if nbl_type != "default":
-                    argv += ["--nbl-type", nbl_type]
-                command = argparse.ArgumentParser()
-                convert_command.add_arguments(command)
-                start = time.perf_counter()
-                summary = convert_command.convert(command.parse_args(argv))
-                # one entry per kind of held-out text (C4 web text, Python docs, Python code)
-                heldout = {kind: {"tokens": h["tokens"], "stock_ppl": h["stock"], "nbl_ppl": h["nbl"],
-                                  "increase_pct": 100 * (h["nbl"] / h["stock"] - 1)} for kind, h in summary.heldout.items()}
-                row = {"model": Path(args.model).name, "m": m, "nbl_type": nbl_type, "layers": summary.replaced,
-                       "criterion": args.criterion, "nbl_bytes": summary.nbl_bytes, "stock_bytes": summary.stock_bytes,
-                       "heldout": heldout, "seconds": round(time.perf_counter() - start, 1)}
-                print(json.dumps(row), flush=True)
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                output.unlink(missing_ok=True)
+        for m, (option, nbl_type), taps in rows:
+            output = Path(tmp) / f"nbl-{m}-{nbl_type}-{taps}.gguf"
+            argv = ["--model", args.model, "--calibration", args.calibration, "--m", str(m), "--criterion",
+                    args.criterion, "--eval-chunks", str(args.eval_chunks), "--no-progress", "-o", str(output),
+                    "--taps", str(taps)]
+            if nbl_type != "default":
+                argv += [f"--{option.replace('_', '-')}", nbl_type]
+            command = argparse.ArgumentParser()
+            convert_command.add_arguments(command)
+            start = time.perf_counter()
+            summary = convert_command.convert(command.parse_args(argv))
+            # one entry per kind of held-out text (C4 web text, Python docs, Python code)
+            heldout = {kind: {"tokens": h["tokens"], "stock_ppl": h["stock"], "nbl_ppl": h["nbl"],
+                              "increase_pct": 100 * (h["nbl"] / h["stock"] - 1)} for kind, h in summary.heldout.items()}
+            state = describe(output)["taps"]
+            row = {"model": Path(args.model).name, "m": m, option: nbl_type, "taps": taps, "layers": summary.replaced,
+                   "state_bytes_per_sequence": state["state_bytes_per_sequence"] if state else 0,
+                   "criterion": args.criterion, "nbl_bytes": summary.nbl_bytes, "stock_bytes": summary.stock_bytes,
+                   "heldout": heldout, "seconds": round(time.perf_counter() - start, 1)}
+            print(json.dumps(row), flush=True)
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            output.unlink(missing_ok=True)
     return 0
 
 

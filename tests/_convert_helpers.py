@@ -8,8 +8,9 @@ from pathlib import Path
 
 def convert_args(**overrides) -> argparse.Namespace:
     """`convert`'s defaults as its parser gives them, no progress bars, a tiny CPU calibration (8 windows
-    of 64 tokens), the cca selection (the tests compare against artifact.layer_types(m, "cca")) and no
-    held-out perplexity unless overridden."""
+    of 64 tokens), the cca selection (the tests compare against artifact.layer_types(m, "cca")), per-token
+    maps (--taps 1: the layer type these tests check; tests/test_taps_convert.py has the taps layers and
+    the default) and no held-out perplexity unless overridden."""
     from nbl_gguf.commands import convert
 
     parser = argparse.ArgumentParser()
@@ -17,7 +18,7 @@ def convert_args(**overrides) -> argparse.Namespace:
     args = parser.parse_args([])
     args.no_progress = True
     args.nsamples, args.seqlen, args.device = 8, 64, "cpu"
-    args.criterion, args.no_eval = "cca", True
+    args.criterion, args.no_eval, args.taps = "cca", True, 1
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
@@ -28,7 +29,7 @@ def calibrate_for_convert(directory: Path, model, args: argparse.Namespace) -> P
     from nbl_gguf.calibration.calibrate import calibrate
     from nbl_gguf.commands.convert import calibration_settings
 
-    return calibrate(calibration_settings(args, directory, model))
+    return calibrate(calibration_settings(args, directory, model, args.taps))
 
 
 def save_tiny_llama(path: Path, n_layer: int = 4, seed: int = 0) -> Path:

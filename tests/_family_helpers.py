@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 N_LAYER, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4, 64, 4, 2, 16
 
 # family: (config class, model class, GGUF architecture, extra config)
@@ -60,3 +63,40 @@ def random_family_model(family: str, tokenizer, seed: int = 0):
             if "norm" in name or name.endswith(".bias"):
                 param.add_(0.2 * torch.randn_like(param))
     return model
+
+
+def sentencepiece_model(texts) -> bytes:
+    """A small byte-fallback SentencePiece model. transformers 5 picks the tokenizer class from the
+    model type (Qwen2Tokenizer for qwen2/qwen3), which re-tokenizes SmolLM2's vocabulary in a way the
+    pinned converter's BPE fingerprint table does not know; with a tokenizer.model present, the
+    converter takes the vocabulary from it instead, as for a SentencePiece model, without that check."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=400,
+                                             model_type="bpe", byte_fallback=True, minloglevel=2,
+                                             # llama.cpp looks this token up in a model named phi3
+                                             user_defined_symbols=["<|endoftext|>"])
+    return model.getvalue()
+
+
+def tiny_family_model(family: str, root: Path, spm: bytes) -> Path:
+    from transformers import AutoTokenizer
+
+    from nbl_gguf import models
+
+    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
+    model = random_family_model(family, tokenizer)
+    path = root / f"tiny-{family}"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)  # the calibrator's tokenizer; llama.cpp is fed token ids here
+    (path / "tokenizer.model").write_bytes(spm)
+    # the Phi-3 converter lays the HF added tokens over the SentencePiece ids, which would clobber
+    # the byte tokens of this small vocabulary (real Phi-3 checkpoints add theirs after it)
+    for name, key, empty in (("tokenizer.json", "added_tokens", []), ("tokenizer_config.json", "added_tokens_decoder", {})):
+        content = json.loads((path / name).read_text(encoding="utf-8"))
+        content[key] = empty
+        (path / name).write_text(json.dumps(content), encoding="utf-8")
+    return path

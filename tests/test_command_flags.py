@@ -39,6 +39,8 @@ DIFFERENT = {
     "--criterion": "eval --sweep re-ranks one artifact per m and has no greedy (calibrate makes that walk)",
     "--method": "convert takes any word to explain why block-nbl cannot be a GGUF; calibrate lists its choices",
     "--batch-size": "calibration windows per forward pass (calibrate, convert); eval's -b is llama-perplexity's",
+    "--taps": "convert also takes 'auto' (decided by the file it writes: runtime, method, architecture); calibrate "
+              "writes no GGUF and takes a count",
 }
 
 
@@ -122,10 +124,10 @@ def test_calibrate_flags_are_the_calibration_settings():
     assert asdict(calibrate.settings(parser.parse_args([]))) == asdict(Settings())
     assert set(convert.CALIBRATION_FLAGS) <= set(Settings.names())
     args = parsers()["convert"].parse_args(["--threads", "3", "--dtype", "fp32", "--criterion", "cca", "--nsamples", "5"])
-    settings = convert.calibration_settings(args, "out-dir", "model-dir")
+    settings = convert.calibration_settings(args, "out-dir", "model-dir", taps=4)
     assert (settings.threads, settings.dtype, settings.criterion, settings.nsamples, settings.seqlen) == (3, "fp32", "cca",
                                                                                                           5, 2048)
-    assert (settings.targets, settings.output, settings.model) == ("attn", "out-dir", "model-dir")
+    assert (settings.targets, settings.output, settings.model, settings.taps) == ("attn", "out-dir", "model-dir", 4)
 
 
 @pytest.mark.parametrize("command", ["bench", "eval"])

@@ -254,7 +254,8 @@ def test_convert_records_the_default_criterion_and_the_auto_choice(tiny_hf, tmp_
     text = capsys.readouterr().out
     assert f"scores:        {best} (the criterion that best chose)" in text
     for layer, score in enumerate(artifact.scores(best)):
-        assert f"\n{layer:5d}  {'linear' if layer in artifact.select() else 'attention':<9s}  {score:<8.4f}  " in text
+        # the default --taps (auto) gives a llama model taps layers
+        assert f"\n{layer:5d}  {'taps' if layer in artifact.select() else 'attention':<9s}  {score:<8.4f}  " in text
     heldout = artifact.report["selection"]["heldout"]
     for criterion, compared in heldout["compared"].items():
         layers = ", ".join(map(str, compared["layers"]))
@@ -279,7 +280,7 @@ def test_convert_records_the_default_criterion_and_the_auto_choice(tiny_hf, tmp_
     provenance = json.loads(gguf.GGUFReader(out).fields[nbl_format.CALIBRATION_KEY].contents())
     chosen = load_artifact(tmp_path / "auto-cal").report["selection"]
     assert provenance["selection"]["max_ppl_increase"] == 1e9 and provenance["selection"]["heldout"] == chosen["heldout"]
-    assert chosen["m"] == N_LAYER - 1 and f"attn-nbl by best, {N_LAYER - 1} of {N_LAYER} layers replaced" in printed
+    assert chosen["m"] == N_LAYER - 1 and f"attn-taps by best, {N_LAYER - 1} of {N_LAYER} layers replaced" in printed
     # reusing that artifact with --m auto takes its choice; an artifact made for a fixed m is refused
     assert cli.main(["convert", *common, "--m", "auto", "--calibration", str(tmp_path / "auto-cal"),
                      "-o", str(tmp_path / "again.gguf")]) == 0

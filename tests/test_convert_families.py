@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from _convert_helpers import calibrate_for_convert, convert_args
-from _family_helpers import FAMILIES, N_LAYER, random_family_model
+from _family_helpers import FAMILIES, N_LAYER, random_family_model, sentencepiece_model, tiny_family_model
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
 from nbl_gguf.llamacpp.tools import bin_dir, source_dir
@@ -32,43 +32,6 @@ pytestmark = [
 
 M = 2
 TOLERANCE = 2e-3  # relative to the largest reference logit
-
-
-def sentencepiece_model(texts) -> bytes:
-    """A small byte-fallback SentencePiece model. transformers 5 picks the tokenizer class from the
-    model type (Qwen2Tokenizer for qwen2/qwen3), which re-tokenizes SmolLM2's vocabulary in a way the
-    pinned converter's BPE fingerprint table does not know; with a tokenizer.model present, the
-    converter takes the vocabulary from it instead, as for a SentencePiece model, without that check."""
-    import io
-
-    import sentencepiece
-
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=400,
-                                             model_type="bpe", byte_fallback=True, minloglevel=2,
-                                             # llama.cpp looks this token up in a model named phi3
-                                             user_defined_symbols=["<|endoftext|>"])
-    return model.getvalue()
-
-
-def tiny_family_model(family: str, root: Path, spm: bytes) -> Path:
-    from transformers import AutoTokenizer
-
-    from nbl_gguf import models
-
-    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
-    model = random_family_model(family, tokenizer)
-    path = root / f"tiny-{family}"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)  # the calibrator's tokenizer; llama.cpp is fed token ids here
-    (path / "tokenizer.model").write_bytes(spm)
-    # the Phi-3 converter lays the HF added tokens over the SentencePiece ids, which would clobber
-    # the byte tokens of this small vocabulary (real Phi-3 checkpoints add theirs after it)
-    for name, key, empty in (("tokenizer.json", "added_tokens", []), ("tokenizer_config.json", "added_tokens_decoder", {})):
-        content = json.loads((path / name).read_text(encoding="utf-8"))
-        content[key] = empty
-        (path / name).write_text(json.dumps(content), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -141,6 +141,23 @@ class CalibrationArtifact:
         bias = self._tensor(f"{target}.{layer}.bias", None if d is None else (d,))
         return weight, bias
 
+    @property
+    def taps(self) -> int:
+        """Tokens its past-token maps read (calibrate --taps); 1 when it has per-token maps only."""
+        return int(self.report["selection"].get("taps", 1))
+
+    def taps_map(self, layer: int):
+        """The calibration.taps.TapsMap of ``layer`` (float32 tensors), checked like the linear maps."""
+        from nbl_gguf.calibration.taps import TENSOR_NAMES, TapsMap
+
+        if self.taps < 2:
+            raise NblError(f"the calibration in {self.path} has no past-token maps: calibrate with --taps K (K > 1)")
+        if not 0 <= layer < self.num_layers:
+            raise NblError(f"layer {layer} out of range (the model has {self.num_layers})")
+        present = {name: self._tensor(f"taps.{layer}.{name}", None) for name in TENSOR_NAMES
+                   if f"taps.{layer}.{name}" in self.tensors or name in ("weight", "bias")}
+        return TapsMap(taps=self.taps, **present)
+
     def _tensor(self, name: str, shape: tuple[int, ...] | None) -> np.ndarray:
         """A map tensor, checked: an edited or damaged artifact must not reach a GGUF."""
         tensor = self.tensors.get(name)
@@ -170,8 +187,10 @@ class CalibrationArtifact:
         self._check_target(target)
         return np.array([layer[target][criterion] for layer in self.report["layers"]], dtype=np.float64)
 
-    def select(self, m: int | None = None, criterion: str | None = None, method: str | None = None) -> list[int]:
-        """Layers to replace; with no arguments, the selection made at calibration time."""
+    def select(self, m: int | None = None, criterion: str | None = None, method: str | None = None,
+               taps: int | None = None) -> list[int]:
+        """Layers to replace; with no arguments, the selection made at calibration time. ``taps``: the
+        maps they will get (a measured selection holds only for the maps it was measured with)."""
         from nbl_gguf.calibration.solve import select_layers  # solve needs torch; reading an artifact does not
 
         chosen = self.report["selection"]
@@ -181,10 +200,10 @@ class CalibrationArtifact:
         if method not in METHOD_TARGET:
             raise NblError(f"unknown method '{method}' (use {', '.join(METHOD_TARGET)})")
         if criterion in ("greedy", "best"):
-            return self._recorded_prefix(m, method, criterion)
+            return self._recorded_prefix(m, method, criterion, taps)
         return select_layers(self.scores(criterion, METHOD_TARGET[method]), m)
 
-    def _recorded_prefix(self, m: int, method: str, criterion: str) -> list[int]:
+    def _recorded_prefix(self, m: int, method: str, criterion: str, taps: int | None = None) -> list[int]:
         """The first m layers of the order that greedy or best recorded at calibration time (their choice
         was measured on the model, so it cannot be redone from the scores)."""
         chosen = self.report["selection"]
@@ -194,6 +213,9 @@ class CalibrationArtifact:
                            f"--criterion {criterion}")
         if method != chosen["method"]:
             raise NblError(f"the {criterion} selection in {self.path} was made for {chosen['method']}, not {method}")
+        if taps is not None and taps != self.taps:
+            raise NblError(f"the {criterion} selection in {self.path} was measured with {self.taps}-token maps, not "
+                           f"{taps}: calibrate with --taps {taps} (or choose by --criterion cosine, nmse or cca)")
         if not 0 <= m <= len(order):
             raise NblError(f"the {criterion} selection in {self.path} goes to m = {len(order)}, not {m}: "
                            f"calibrate again with --criterion {criterion} --m {m}")

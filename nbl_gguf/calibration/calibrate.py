@@ -34,6 +34,8 @@ DEFAULT_KV_CTX = 4096  # the selection's KV figures for a model whose config nam
 # and with --m auto on Qwen kept the budget on docs and code where C4 alone did not (docs/results/selection-text.md)
 DEFAULT_SELECTION_TEXT = "mix"
 DEFAULT_MAX_PPL_INCREASE = 10.0
+DEFAULT_TAPS = 1  # tokens a replaced layer reads: 1 is the per-token NBL map (calibration.taps for more)
+MAX_TAPS = 64  # what the patched llama.cpp's taps layers read at most (nbl_format.MAX_TAPS)
 DEFAULT_OUTPUT_ROOT = Path("out") / "calibration"
 # the statistics' per-batch products: float32 partial sums added to float64 totals (see statistics.py)
 STATISTICS_PARTIAL = "float32"  # the name of statistics.CALIBRATION_PARTIAL, recorded in the report
@@ -255,7 +257,25 @@ def check_arguments(args) -> tuple[tuple[str, ...], int | None, float | None, bo
         raise NblError(f"--method {args.method} needs the block statistics: use --targets attn,block")
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise NblError(f"--memory-budget must be a positive number of GiB, got {args.memory_budget:g}")
+    check_taps(args)
     return targets, m_fixed, budget, needs_heldout
+
+
+def check_taps(args) -> None:
+    """--taps K (and --taps-rank): the past-token maps are fitted by the streamed calibrator, for the
+    attention of attn-nbl."""
+    if args.taps < 1:
+        raise NblError(f"--taps must be at least 1 (1: today's per-token maps), got {args.taps}")
+    if args.taps > MAX_TAPS:
+        raise NblError(f"--taps {args.taps}: a taps layer reads at most {MAX_TAPS} tokens")
+    if args.taps_rank is not None and args.taps_rank < 1:
+        raise NblError(f"--taps-rank must be at least 1, got {args.taps_rank}")
+    if args.taps > 1:
+        if args.method != "attn-nbl":
+            raise NblError(f"--taps {args.taps} fits past-token maps of the attention: it goes with --method attn-nbl, "
+                           f"not {args.method}")
+        if args.whole_model:
+            raise NblError(f"--taps {args.taps} is fitted by the layer-streamed calibrator; leave out --whole-model")
 
 
 def load_windows(args, prepared: Prepared, needs_heldout: bool, nsamples: int):
@@ -333,7 +353,7 @@ def model_identity(source) -> dict:
 def run_streamed(args, source, stream, calib, heldout_ids, targets, m_fixed, budget, stats_device, meter, log):
     """The layer-streamed calibration and selection: (entries, selection, tensors, details, state). The
     tensors are read from the state, which the caller closes once the artifact is written."""
-    from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
+    from nbl_gguf.calibration.apply import ATTN_TAPS, METHOD_LAYER_TYPE
     from nbl_gguf.calibration.artifact import LazyTensors
     from nbl_gguf.calibration.resume import CalibrationState, tokens_digest
     from nbl_gguf.calibration.stream import (StreamedEvaluator, StreamTimes, calibrate_layers, estimated_state_bytes,
@@ -341,31 +361,36 @@ def run_streamed(args, source, stream, calib, heldout_ids, targets, m_fixed, bud
     from nbl_gguf import __version__
 
     held = 0 if heldout_ids is None else int(heldout_ids.shape[0])
-    plan = plan_hidden(stream, calib.nsamples, calib.seqlen, held, args.batch_size, targets, memory_budget_bytes(args))
+    plan = plan_hidden(stream, calib.nsamples, calib.seqlen, held, args.batch_size, targets, memory_budget_bytes(args),
+                       taps=args.taps)
     log(f"calibration: {stream.name}, {stream.num_layers} layers streamed one at a time, "
         f"{str(stream.dtype).replace('torch.', '')} on {stream.device}; {plan.reason}")
     inputs = {"tokens": tokens_digest(calib.input_ids, heldout_ids),
               "settings": {"dtype": str(stream.dtype), "device": stream.device.split(":")[0], "targets": list(targets),
                            "batch_size": args.batch_size, "stats_device": str(stats_device).split(":")[0],
-                           "save_covariances": bool(args.save_covariances), "partial": STATISTICS_PARTIAL},
+                           "save_covariances": bool(args.save_covariances), "partial": STATISTICS_PARTIAL,
+                           "taps": args.taps, "taps_rank": args.taps_rank},
               "version": __version__}
     state = CalibrationState.for_model(model_identity(source), inputs, log=log)
     state.open()
     try:
-        state.check_space(estimated_state_bytes(stream, calib.nsamples, held, calib.seqlen, targets))
+        state.check_space(estimated_state_bytes(stream, calib.nsamples, held, calib.seqlen, targets, args.taps))
         times = StreamTimes()
         with meter("layers"):
             entries = calibrate_layers(stream, calib.input_ids, heldout_ids, state, batch_size=args.batch_size,
                                        targets=targets, stats_device=stats_device,
                                        save_covariances=args.save_covariances, plan=plan,
-                                       progress=not args.no_progress, times=times)
+                                       progress=not args.no_progress, times=times, taps=args.taps,
+                                       taps_rank=args.taps_rank)
         evaluator = None
         with meter("selection"):
             if heldout_ids is not None:
-                evaluator = StreamedEvaluator.from_state(stream, state, heldout_ids, METHOD_LAYER_TYPE[args.method],
-                                                         args.batch_size)
+                layer_type = ATTN_TAPS if args.taps > 1 else METHOD_LAYER_TYPE[args.method]
+                evaluator = StreamedEvaluator.from_state(stream, state, heldout_ids, layer_type, args.batch_size,
+                                                         args.taps)
             try:
                 selection = select(entries, args, m_fixed, budget, evaluator)
+                selection["taps"] = args.taps
             finally:
                 if evaluator is not None:
                     evaluator.close()
@@ -433,6 +458,8 @@ class Settings:
     selection_text: str = DEFAULT_SELECTION_TEXT
     ctx_size: int | None = None  # the context of the KV figures; None: the model's training context
     method: str = "attn-nbl"
+    taps: int = DEFAULT_TAPS
+    taps_rank: int | None = None  # None: calibration.taps.default_rank
     output: str | None = None  # the artifact directory; None: DEFAULT_OUTPUT_ROOT / the model's name
     seed: int = 0
     targets: str = "attn,block"

@@ -263,14 +263,23 @@ class HiddenPlan:
     hidden: int = 0  # bytes of the hidden states (this layer's input and output, calibration and held-out)
 
 
+def taps_bytes(d: int, taps: int) -> int:
+    """Memory of one layer's taps statistics (float64 sums over the K d stacked inputs) and their solve
+    (a few (K-1) d square float64 matrices); 0 without taps."""
+    if taps < 2:
+        return 0
+    stacked = taps * d
+    return (stacked * stacked + d * stacked) * 8 + 4 * ((taps - 1) * d) ** 2 * 8
+
+
 def plan_hidden(stream: LayerStream, windows: int, seqlen: int, heldout: int, batch_size: int, targets,
-                budget_bytes: int | None) -> HiddenPlan:
+                budget_bytes: int | None, taps: int = 1) -> HiddenPlan:
     """Check that one layer fits and decide where the windows' hidden states go: on the compute
     device when they fit beside one layer (a GPU's free memory; on a CPU, ``budget_bytes``), else in
     host memory within ``budget_bytes``, else on disk."""
     d = stream.hidden_size
     layer = stream.layer_bytes()
-    stats = (2 if "block" in targets else 1) * (3 * d * d * 8 + 3 * d * d * 4)
+    stats = (2 if "block" in targets else 1) * (3 * d * d * 8 + 3 * d * d * 4) + taps_bytes(d, taps)
     solve = 8 * d * d * 8  # eigendecompositions and whitening in float64
     inter = max((getattr(models.text_config(stream.config), "intermediate_size", 4 * d) or 4 * d), d)
     activations = batch_size * seqlen * (6 * d + 3 * inter) * 4
@@ -305,15 +314,18 @@ def _batches(count: int, batch_size: int):
 
 def calibrate_layers(stream: LayerStream, calib_ids: torch.Tensor, heldout_ids: torch.Tensor | None, state,
                      *, batch_size: int, targets, stats_device: str, save_covariances: bool, plan: HiddenPlan,
-                     progress: bool = True, times: StreamTimes | None = None) -> list[dict]:
+                     progress: bool = True, times: StreamTimes | None = None, taps: int = 1,
+                     taps_rank: int | None = None) -> list[dict]:
     """Fit every layer, streaming; returns the per-layer entries (their tensors are in ``state``).
 
     ``state`` (calibration.resume.CalibrationState, opened) holds the finished layers and the hidden
-    states; a state with layers done continues after them."""
+    states; a state with layers done continues after them. ``taps`` > 1 also fits each layer's
+    past-token map (calibration.taps, DEFAULT_FORM, rank ``taps_rank`` or default_rank)."""
     from tqdm import tqdm
 
     from nbl_gguf.calibration.solve import solve_layer
     from nbl_gguf.calibration.statistics import CALIBRATION_PARTIAL, CosineAccumulator, MomentAccumulator
+    from nbl_gguf.calibration import taps as taps_fit
 
     times = times or StreamTimes()
     count, seqlen = calib_ids.shape
@@ -359,11 +371,16 @@ def calibrate_layers(stream: LayerStream, calib_ids: torch.Tensor, heldout_ids: 
         attn_cos = CosineAccumulator(stats_device)
         block = MomentAccumulator(d, d, stats_device, f"layer {k} block", CALIBRATION_PARTIAL) if with_block else None
         block_cos = CosineAccumulator(stats_device) if with_block else None
+        past = (taps_fit.TapsAccumulator(d, taps, stats_device, f"layer {k} taps", CALIBRATION_PARTIAL)
+                if taps > 1 else None)
 
         def on_attention(i, h, x, y):
             with times.part("statistics"):
                 attn.update(x, y)
                 attn_cos.update(h, h + y)
+            if past is not None:
+                with times.part("taps_statistics"):
+                    past.update(x, y)
 
         def on_block(i, h, out):
             with times.part("statistics"):
@@ -385,6 +402,12 @@ def calibrate_layers(stream: LayerStream, calib_ids: torch.Tensor, heldout_ids: 
         with times.part("solve"):
             entry, tensors = solve_layer(k, attn, block, attn_cos.value(), block_cos.value() if with_block else None,
                                          save_covariances)
+        if past is not None:
+            with times.part("taps_solve"):
+                taps_map = taps_fit.solve(past.moments(), taps, taps_fit.DEFAULT_FORM, taps_rank or taps_fit.default_rank(d))
+            entry["taps"] = taps_fit.describe(taps_map)
+            tensors.update(taps_fit.map_tensors(k, taps_map))
+            del past
         with times.part("save"):
             state.save_layer(k, entry, tensors)
             for store in (following, following_held):
@@ -413,7 +436,7 @@ def run_variants(stream: LayerStream, ids: torch.Tensor, variants: list[dict[int
     agree up to a layer share one track up to it. ``base_input(k)``: the unmodified model's input of
     layer k, kept from the calibration (then no layer before the first replacement is run); None: the
     unmodified track is computed here from the embedding. ``linear(k, layer_type)``: (W, b) of layer k's
-    map of that type (attention or whole block)."""
+    map of that type (attention or whole block), or its calibration.taps.TapsMap (ATTN_TAPS)."""
     from nbl_gguf.calibration.apply import ATTN_DROP, replace_layer
 
     shape = (ids.shape[0], ids.shape[1], stream.hidden_size)
@@ -482,8 +505,10 @@ class StreamedEvaluator:
             self.base_loss = self._loss(run_variants(stream, heldout_ids, [{}], linear, self.batch_size)[0])
 
     @classmethod
-    def from_state(cls, stream: LayerStream, state, heldout_ids: torch.Tensor, layer_type: int, batch_size: int = 1):
-        """On the held-out windows whose every layer's input the calibration kept in ``state``."""
+    def from_state(cls, stream: LayerStream, state, heldout_ids: torch.Tensor, layer_type: int, batch_size: int = 1,
+                   taps: int = 1):
+        """On the held-out windows whose every layer's input the calibration kept in ``state``; with
+        ``taps`` > 1 the layers are replaced by their taps maps (layer_type ATTN_TAPS)."""
         from safetensors import safe_open
 
         shape = (heldout_ids.shape[0], heldout_ids.shape[1], stream.hidden_size)
@@ -495,7 +520,13 @@ class StreamedEvaluator:
             with safe_open(str(state.layer_tensors(layer)), framework="numpy") as handle:
                 return handle.get_tensor(f"attn.{layer}.weight"), handle.get_tensor(f"attn.{layer}.bias")
 
-        return cls(stream, heldout_ids, layer_type, linear, batch_size, base_input)
+        def taps_map(layer: int, _type: int):
+            from nbl_gguf.calibration.taps import map_from_tensors
+
+            with safe_open(str(state.layer_tensors(layer)), framework="numpy") as handle:
+                return map_from_tensors(handle.get_tensor, layer, taps, set(handle.keys()))
+
+        return cls(stream, heldout_ids, layer_type, linear if taps < 2 else taps_map, batch_size, base_input)
 
     def close(self) -> None:
         self.stream.release_head()
@@ -516,12 +547,14 @@ class StreamedEvaluator:
         return [self._loss(next(finals)) if s else self.base_loss for s in sets]
 
 
-def estimated_state_bytes(stream: LayerStream, windows: int, heldout: int, seqlen: int, targets) -> int:
+def estimated_state_bytes(stream: LayerStream, windows: int, heldout: int, seqlen: int, targets, taps: int = 1) -> int:
     """Disk the state needs at most: two layers' worth of calibration hidden states, every layer's
     held-out input, and every layer's results (maps with and without bias, block maps)."""
     d = stream.hidden_size
     calib = 2 * tensor_bytes((windows, seqlen, d), stream.dtype)
     held = (stream.num_layers + 1) * tensor_bytes((heldout, seqlen, d), stream.dtype)
     per_layer = (2 + (1 if "block" in targets else 0)) * d * d * 4 + 8 * d * 8
+    if taps > 1:  # at most the full form: taps d x d weights
+        per_layer += taps * d * d * 4
     return calib + held + stream.num_layers * per_layer
 

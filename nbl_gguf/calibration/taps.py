@@ -38,6 +38,10 @@ from nbl_gguf.calibration.statistics import Moments, check_finite_sums, moments_
 from nbl_gguf.errors import NblError
 
 FORMS = ("full", "lowrank", "channel")
+# what calibrate --taps fits (docs/results/taps.md): the low-rank form kept nearly all of the full map's
+# gain at about half its bytes; its rank scales with the width (128 was measured at d = 576)
+DEFAULT_FORM = "lowrank"
+RANK_FRACTION = 4  # default rank: n_embd / RANK_FRACTION
 RCOND = 1e-10  # ridge of the solves, relative to the largest diagonal entry
 CHANNEL_ITERATIONS = 50
 CHANNEL_TOLERANCE = 1e-5  # relative drop of the error below which the alternation stops
@@ -53,11 +57,14 @@ class TapsAccumulator:
     two ends.
     """
 
-    def __init__(self, d: int, taps: int, device: str | torch.device = "cpu", name: str = ""):
+    def __init__(self, d: int, taps: int, device: str | torch.device = "cpu", name: str = "",
+                 partial: torch.dtype = torch.float64):
         if taps < 1:
             raise NblError(f"{name or 'taps'}: the number of taps must be at least 1, got {taps}")
         self.d, self.taps, self.name = d, taps, name
         self.device = torch.device(device)
+        # each batch's products in this dtype, added to the float64 sums (statistics.MomentAccumulator)
+        self.partial = partial
         f64 = dict(dtype=torch.float64, device=self.device)
         self.n = 0
         self.shift_x = None
@@ -79,30 +86,32 @@ class TapsAccumulator:
         batch, seq, d = x.shape
         if batch * seq == 0:
             return
-        x = x.to(self.device, torch.float64)
-        y = y.to(self.device, torch.float64)
+        x = x.to(self.device, self.partial)
+        y = y.to(self.device, self.partial)
         if self.shift_x is None:
-            self.shift_x = torch.nan_to_num(x.reshape(-1, d).mean(0))
-            self.shift_y = torch.nan_to_num(y.reshape(-1, d).mean(0))
+            # kept in the partial dtype, so that it is exactly the value subtracted
+            self.shift_x = torch.nan_to_num(x.reshape(-1, d).double().mean(0)).to(self.partial).double()
+            self.shift_y = torch.nan_to_num(y.reshape(-1, d).double().mean(0)).to(self.partial).double()
         k = self.taps
+        shift_x = self.shift_x.to(self.partial)
         # p[:, u + k - 1] = x_u - shift for u >= 0 and 0 - shift before the window's start, so
         # that z_j(t) - shift = p[:, t - j + k - 1] for every lag j
-        p = torch.cat([(-self.shift_x).expand(batch, k - 1, d), x - self.shift_x], 1)
-        yc = (y - self.shift_y).reshape(-1, d)
+        p = torch.cat([(-shift_x).expand(batch, k - 1, d), x - shift_x], 1)
+        yc = (y - self.shift_y.to(self.partial)).reshape(-1, d)
 
         def lag(j: int) -> torch.Tensor:
             return p[:, k - 1 - j: k - 1 - j + seq].reshape(-1, d)
 
         self.n += batch * seq
-        self.sum_y += yc.sum(0)
-        self.sum_yy.addmm_(yc.T, yc)
+        self.sum_y += yc.sum(0, dtype=torch.float64)
+        self.sum_yy += (yc.T @ yc).double()
         current = lag(0)
         first_row = []
         for j in range(k):
             lagged = current if j == 0 else lag(j)
-            self.sum_z[j * d:(j + 1) * d] += lagged.sum(0)
-            self.sum_yz[:, j * d:(j + 1) * d].addmm_(yc.T, lagged)
-            first_row.append(current.T @ lagged)
+            self.sum_z[j * d:(j + 1) * d] += lagged.sum(0, dtype=torch.float64)
+            self.sum_yz[:, j * d:(j + 1) * d] += (yc.T @ lagged).double()
+            first_row.append((current.T @ lagged).double())
         # block(i, i + s) = block(i - 1, i - 1 + s) + p_(-i) p_(-i-s)^T - p_(seq-i) p_(seq-i-s)^T
         # (sum over t of p_(t-i) p_(t-i-s)^T, shifted by one position)
         for s in range(k):
@@ -111,7 +120,7 @@ class TapsAccumulator:
                 if i > 0:
                     head = p[:, k - 1 - i], p[:, k - 1 - i - s]
                     tail = p[:, k - 1 + seq - i], p[:, k - 1 + seq - i - s]
-                    block = block + head[0].T @ head[1] - tail[0].T @ tail[1]
+                    block = block + (head[0].T @ head[1] - tail[0].T @ tail[1]).double()
                 j = i + s
                 self.sum_zz[i * d:(i + 1) * d, j * d:(j + 1) * d] += block
                 if s:
@@ -338,3 +347,31 @@ def solve(m: Moments, taps: int, form: str = "full", rank: int | None = None) ->
     if form == "channel":
         return solve_channel(m, taps)
     raise NblError(f"unknown taps form '{form}' (use one of {', '.join(FORMS)})")
+
+
+def default_rank(d: int) -> int:
+    return max(1, d // RANK_FRACTION)
+
+
+# --- in the calibration state and the artifact: one layer's map as tensors "taps.<layer>.<name>" ---------
+
+TENSOR_NAMES = ("weight", "bias", "lag", "lag_down", "lag_up", "conv")
+
+
+def map_tensors(layer: int, taps_map: TapsMap) -> dict[str, np.ndarray]:
+    return {f"taps.{layer}.{name}": np.asarray(array, dtype=np.float32) for name, array in taps_map.tensors().items()}
+
+
+def map_from_tensors(get, layer: int, taps: int, names) -> TapsMap:
+    """The TapsMap of ``layer`` from ``get(name)`` over the tensor ``names`` present (the artifact's or
+    the state's)."""
+    present = {name: get(f"taps.{layer}.{name}") for name in TENSOR_NAMES if f"taps.{layer}.{name}" in names}
+    if "weight" not in present or "bias" not in present:
+        raise NblError(f"layer {layer}: no taps map (taps.{layer}.weight and .bias)")
+    return TapsMap(taps=taps, **present)
+
+
+def describe(taps_map: TapsMap) -> dict:
+    """What the artifact's layer entry records of a fitted taps map."""
+    return {"taps": taps_map.taps, "form": taps_map.form, "rank": taps_map.rank, "nmse": float(taps_map.nmse),
+            "params": taps_map.params()}

@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_threads(parser, "of PyTorch (default: PyTorch's, one per core)")
     flags.add_selection_arguments(parser)
     parser.add_argument("--method", default="attn-nbl", choices=METHODS)
+    flags.add_taps_arguments(parser)
     flags.add_output(parser, "artifact directory (default: out/calibration/<model>)", metavar="DIR")
     flags.add_seed(parser)
     parser.add_argument("--targets", default="attn,block",

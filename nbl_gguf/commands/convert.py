@@ -26,8 +26,8 @@ from nbl_gguf.calibration.calibrate import Settings, selection_budget
 from nbl_gguf.commands import flags
 from nbl_gguf.commands.convert_summary import Summary, resources_table
 from nbl_gguf.errors import NblError
-from nbl_gguf.gguf.from_artifact import (RUNTIMES, check_method, check_stock_runtime, chosen_layers, gguf_notes,
-                                         linear_map, provenance, recorded_scores, writer)
+from nbl_gguf.gguf.from_artifact import (RUNTIMES, check_method, check_stock_runtime, check_taps, chosen_layers,
+                                         gguf_notes, linear_map, provenance, recorded_scores, taps_maps, writer)
 from nbl_gguf.gguf.quantize import FLOAT_TYPES, check_quant
 from nbl_gguf.outputs import check_output_dir, check_output_file
 from nbl_gguf.usage import StageMeter
@@ -40,7 +40,7 @@ SUMMARY_CTX = 4096  # the summary's KV cache figures: at this context, and at th
 # what the calibration takes from convert's own flags as they are (the rest: calibration_settings)
 CALIBRATION_FLAGS = flags.group_names(flags.add_dataset_arguments, flags.add_compute_arguments,
                                       flags.add_selection_arguments) + ("batch_size", "method", "seed", "no_progress",
-                                                                        "threads")
+                                                                        "threads", "taps_rank")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attn-nbl (attention -> W x + b) or attn-drop (attention removed); "
                              "block-nbl is evaluated in PyTorch only")
     flags.add_selection_arguments(parser)
+    flags.add_taps_arguments(parser, auto=True)
     flags.add_dataset_arguments(parser)
     parser.add_argument("--nsamples", type=int, default=None,
                         help="calibration windows (default: calibrate's: 256 on CUDA, 32 on a CPU)")
@@ -112,10 +113,11 @@ def resolve_source(args, method: str):
     return source
 
 
-def calibration_settings(args, directory: Path, model) -> Settings:
+def calibration_settings(args, directory: Path, model, taps: int) -> Settings:
     """The calibration that convert runs (with the same options as `calibrate`) into ``directory``;
-    ``model`` is what calibrate's --model takes (a HF folder, or a GGUF file, which it streams from)."""
-    settings = Settings(model=str(model), output=str(directory),
+    ``model`` is what calibrate's --model takes (a HF folder, or a GGUF file, which it streams from);
+    ``taps``: --taps resolved (from_artifact.check_taps)."""
+    settings = Settings(model=str(model), output=str(directory), taps=taps,
                         targets="attn")  # a GGUF replaces attention only: the block fits would cost a third more time
     for name in CALIBRATION_FLAGS:
         setattr(settings, name, getattr(args, name))
@@ -183,7 +185,7 @@ def convert(args) -> Summary:
     from nbl_gguf.calibration.calibrate import calibrate, describe_artifact
     from nbl_gguf.gguf import nbl_format
     from nbl_gguf.gguf.hf_to_gguf import check_conversion_space, check_hf_folder, convert_hf_to_gguf, model_shape
-    from nbl_gguf.gguf.inspect import kv_sizes, training_context
+    from nbl_gguf.gguf.inspect import kv_sizes, taps_state, training_context
     from nbl_gguf.gguf.quantize import compute_imatrix, quantize
 
     # cheap checks first: a typo must not cost a calibration
@@ -209,6 +211,7 @@ def convert(args) -> Summary:
         n_layer, hidden = model_shape(source.hf_folder())
     if args.runtime == "stock":
         check_stock_runtime(source)
+    taps = check_taps(args, source, method)
     if source.gguf is None:
         check_conversion_space(source.hf_folder(), intermediate_type(args, quant, source.hf_folder()),
                                output.resolve().parent)
@@ -248,20 +251,25 @@ def convert(args) -> Summary:
             else:
                 target = Path(args.save_calibration) if args.save_calibration else tmp / "calibration"
                 model = source.gguf.path if source.gguf is not None else source.hf_folder()
-                artifact = load_artifact(calibrate(calibration_settings(args, target, model)))
+                artifact = load_artifact(calibrate(calibration_settings(args, target, model, taps)))
                 print(describe_artifact(artifact))
+            if args.calibration and args.taps == "auto":
+                taps = artifact.taps
             if artifact.num_layers != n_layer:
                 raise NblError(f"the calibration has {artifact.num_layers} layers but {source.name} has {n_layer}: "
                                f"it was made for another model")
             artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
             if artifact_hidden is not None and int(artifact_hidden) != hidden:
                 raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
-            selected = chosen_layers(artifact, args, method, n_layer)
+            selected = chosen_layers(artifact, args, method, n_layer, taps)
             scores, scores_criterion = recorded_scores(artifact, args.criterion)
-            layer_type = nbl_format.LINEAR if method == "attn-nbl" else nbl_format.DROPPED
+            layer_type = nbl_format.DROPPED if method == "attn-drop" else nbl_format.TAPS if taps > 1 else nbl_format.LINEAR
             types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
             linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
-            layers = nbl_format.NblLayers(types=types, linear=linear, method=method, criterion=args.criterion,
+            past = taps_maps(artifact, selected, taps) if layer_type == nbl_format.TAPS else {}
+            if past:
+                method = "attn-taps"  # what the file's nbl.method and the summary say
+            layers = nbl_format.NblLayers(types=types, linear=linear, taps=past, method=method, criterion=args.criterion,
                                           scores=scores, scores_criterion=scores_criterion,
                                           calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
         if not args.calibration:
@@ -323,6 +331,7 @@ def convert(args) -> Summary:
             scores=scores if scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
             kv=kv, output=output, runtime=args.runtime, resources=meter.stages,
+            taps_state_bytes=(taps_state(gguf.GGUFReader(output), types) or {}).get("state_bytes_per_sequence", 0),
         )
 
 

@@ -28,6 +28,7 @@ class Summary:
     extra: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # printed under the table
     resources: dict = field(default_factory=dict)  # usage.StageMeter.stages of the run
+    taps_state_bytes: int = 0  # what llama.cpp keeps per sequence for the taps layers (F32), 0 without
 
     def table(self) -> str:
         from nbl_gguf.gguf.inspect import human_bytes
@@ -50,6 +51,8 @@ class Summary:
                     before, after = stock.caches[name], nbl.caches[name]
                     rows.append((f"  {what}: {after.cells:,} cells", human_bytes(before.bytes), human_bytes(after.bytes),
                                  change(before.bytes, after.bytes)))
+        if self.taps_state_bytes:
+            rows.append(("taps state per sequence (F32)", human_bytes(0), human_bytes(self.taps_state_bytes), ""))
         for kind, measured in (self.heldout or {}).items():
             rows.append((f"held-out perplexity, {KINDS[kind].label} ({measured['tokens']:,} tokens)",
                          f"{measured['stock']:.3f}", f"{measured['nbl']:.3f}", change(measured["stock"], measured["nbl"])))

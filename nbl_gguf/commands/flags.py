@@ -15,7 +15,7 @@ import re
 from nbl_gguf import models
 from nbl_gguf.calibration.artifact import DEFAULT_CRITERION, SELECTIONS
 from nbl_gguf.calibration.calibrate import (DEFAULT_M, DEFAULT_MAX_PPL_INCREASE, DEFAULT_SELECTION_TEXT,
-                                            DEFAULT_SELECTION_TOKENS)
+                                            DEFAULT_SELECTION_TOKENS, DEFAULT_TAPS)
 from nbl_gguf.errors import NblError
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -129,6 +129,28 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--ctx-size", type=positive_int, default=None, metavar="N",
                         help="context at which the selection reports the KV cache its layers save, as llama.cpp "
                              "allocates it (default: the model's training context, llama-cli's default)")
+
+
+
+def taps_count(text: str):
+    """convert's --taps: a number of tokens or 'auto'."""
+    return text if text == "auto" else positive_int(text)
+
+
+def add_taps_arguments(parser: argparse.ArgumentParser, auto: bool = False) -> None:
+    """--taps and --taps-rank: what replaces a chosen attention (calibrate: a count, 1 by default; convert
+    also 'auto', resolved by the file it writes: from_artifact.check_taps)."""
+    default = "auto" if auto else DEFAULT_TAPS
+    what = ("auto: K = 4 where the file can carry taps layers (--runtime nbl, --method attn-nbl, a llama or "
+            "qwen2 model, the layer-streamed calibration), else 1; with --calibration, the artifact's own"
+            if auto else f"{DEFAULT_TAPS}")
+    parser.add_argument("--taps", type=taps_count if auto else positive_int, default=default, metavar="K",
+                        help="tokens each replaced layer reads: 1 is the NBL map of the token's own attention input; "
+                             "K > 1 also reads the K - 1 tokens before it (a past-token map: GGUF layer type 3, a "
+                             "state of K - 1 inputs per sequence instead of a KV cache; patched llama.cpp only, "
+                             f"docs/results/taps.md) (default: {what})")
+    parser.add_argument("--taps-rank", type=positive_int, default=None, metavar="R",
+                        help="with --taps K > 1: rank of the map of the earlier tokens (default: n_embd / 4)")
 
 
 def check_selection_text(text: str) -> str:

@@ -31,7 +31,62 @@ def check_method(method: str) -> str:
     return method
 
 
-def chosen_layers(artifact, args, method: str, n_layer: int) -> list[int]:
+# HF model types and the GGUF architecture the pinned converter writes for them, for the taps check
+# before calibrating (nbl_format.TAPS_ARCHITECTURES: the graphs that build taps layers)
+GGUF_ARCHITECTURE_OF = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2"}
+# convert's --taps auto where the file can carry taps layers: the low-rank K = 4 map of
+# docs/results/taps.md, chosen there by held-out perplexity against bytes
+DEFAULT_TAPS = 4
+
+
+def check_taps(args, source, method: str) -> int:
+    """--taps K: past-token maps (GGUF layer type 3) need the NBL layout, the attention's maps and a
+    graph that builds them; checked before calibrating. Returns K; 'auto' is DEFAULT_TAPS where the
+    file can carry them, else 1 (with --calibration, convert takes the artifact's instead)."""
+    from nbl_gguf.gguf import nbl_format
+
+    if args.taps == "auto":
+        fits = (args.runtime == "nbl" and method == "attn-nbl" and not getattr(args, "whole_model", False)
+                and _architecture(source) in nbl_format.TAPS_ARCHITECTURES)
+        return DEFAULT_TAPS if fits else 1
+    taps = int(args.taps)
+    if taps < 2:
+        return taps
+    if taps > nbl_format.MAX_TAPS:
+        raise NblError(f"--taps {taps}: a taps layer reads at most {nbl_format.MAX_TAPS} tokens")
+    if args.runtime == "stock":
+        raise NblError(f"--taps {taps} writes taps layers, which keep the inputs of earlier tokens in a state per "
+                       f"sequence: stock llama.cpp's deci layers cannot, so use --runtime nbl (the patched llama.cpp) "
+                       f"or --taps 1")
+    if method != "attn-nbl":
+        raise NblError(f"--taps {taps} replaces the attention by a past-token map: it goes with --method attn-nbl, "
+                       f"not {method}")
+    arch = _architecture(source)
+    if arch not in nbl_format.TAPS_ARCHITECTURES:
+        raise NblError(f"--taps {taps}: the patched llama.cpp builds taps layers for "
+                       f"{', '.join(nbl_format.TAPS_ARCHITECTURES)} models, and {source.name} is a '{arch}' model; "
+                       f"use --taps 1")
+    return taps
+
+
+def _architecture(source) -> str | None:
+    """The GGUF architecture of --model (for a HF folder, the one the converter will write)."""
+    if source.gguf is not None:
+        return source.gguf.architecture
+    config = json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
+    return GGUF_ARCHITECTURE_OF.get(config.get("model_type"), config.get("model_type"))
+
+
+def taps_maps(artifact, layers: list[int], taps: int) -> dict:
+    """The past-token maps of ``layers``, from an artifact calibrated with the same --taps."""
+    if artifact.taps != taps:
+        raise NblError(f"--taps {taps}: the calibration in {artifact.path} has "
+                       + ("no past-token maps" if artifact.taps < 2 else f"maps of {artifact.taps} tokens")
+                       + f"; calibrate with --taps {taps} (or convert with --taps {artifact.taps})")
+    return {layer: artifact.taps_map(layer) for layer in layers}
+
+
+def chosen_layers(artifact, args, method: str, n_layer: int, taps: int = 1) -> list[int]:
     """The layers to replace: the calibration's own choice (made in this run, or --m auto), else the
     artifact's maps re-ranked for --m / --criterion."""
     from nbl_gguf.calibration.calibrate import default_m
@@ -44,9 +99,9 @@ def chosen_layers(artifact, args, method: str, n_layer: int) -> list[int]:
         if args.max_ppl_increase is not None and args.max_ppl_increase != selection["max_ppl_increase"]:
             raise NblError(f"the calibration in {artifact.path} chose m within +{selection['max_ppl_increase']:g}%, "
                            f"not +{args.max_ppl_increase:g}%: calibrate again with that budget")
-        return sorted(artifact.select(None, args.criterion, method))
+        return sorted(artifact.select(None, args.criterion, method, taps))
     m = default_m(n_layer) if args.m is None else args.m
-    return sorted(artifact.select(m, args.criterion, method))
+    return sorted(artifact.select(m, args.criterion, method, taps))
 
 
 def recorded_scores(artifact, criterion: str) -> tuple[list[float] | None, str | None]:

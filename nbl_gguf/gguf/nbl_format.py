@@ -48,7 +48,7 @@ ATTENTION_TENSOR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output
 # GGUF architectures whose graph the patched llama.cpp builds with NBL layers (llm_arch_supports_nbl)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
 # those whose graph also builds taps layers (llm_arch_supports_nbl_taps)
-TAPS_ARCHITECTURES = ("llama",)
+TAPS_ARCHITECTURES = ("llama", "qwen2")
 FLOAT_WEIGHT_TYPES = ("F32", "F16", "BF16")
 # W's type when the one it would inherit (its layer's attn_output) cannot hold an n_embd x n_embd
 # matrix: q8_0 keeps W within about 0.5% at a quarter of F32's bytes; F16 when even its blocks do not fit
