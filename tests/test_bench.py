@@ -344,6 +344,11 @@ def test_bench_on_a_gguf_model_measures_the_file_and_its_surgery(tmp_path, monke
     assert {m["file_type"] for m in models.values()} == {"F32"}
     artifact = load_artifact(work / "models" / "gguf" / file_sha256(source)[:16] / "tiny" / "calibration")
     assert artifact.report["selection"]["m"] == 2 and artifact.report["selection"]["criterion"] == "best"
+    # convert's default --taps (auto) gives a llama file past-token maps: the low-rank lag map's tensors too
+    from nbl_gguf.gguf.from_artifact import DEFAULT_TAPS
+
+    assert artifact.taps == DEFAULT_TAPS
+    nbl_tensors = ("attn_nbl.weight", "attn_nbl.bias", "attn_nbl_lag_down.weight", "attn_nbl_lag_up.weight")
     stock = {t.name: t for t in gguf.GGUFReader(source).tensors}
     for m in (1, 2):
         replaced = artifact.select(m, "best", "attn-nbl")
@@ -351,7 +356,7 @@ def test_bench_on_a_gguf_model_measures_the_file_and_its_surgery(tmp_path, monke
         # convert's surgery: every tensor but the replaced attention keeps the input's bytes and type
         nbl = {t.name: t for t in gguf.GGUFReader(models[f"nbl-m{m}"]["path"]).tensors}
         dropped = {name for name in stock if any(is_attention_tensor(name, layer) for layer in replaced)}
-        assert set(nbl) - set(stock) == {f"blk.{i}.attn_nbl.{p}" for i in replaced for p in ("weight", "bias")}
+        assert set(nbl) - set(stock) == {f"blk.{i}.{name}" for i in replaced for name in nbl_tensors}
         assert dropped and set(stock) - set(nbl) == dropped
         for name in set(stock) - dropped:
             assert nbl[name].tensor_type == stock[name].tensor_type

@@ -152,7 +152,7 @@ def test_calibrate_end_to_end_artifact(tiny_checkpoint):
     assert len(report["data"]["sha256"]) == 64
     kv = report["selection"].pop("kv_cache")
     assert report["selection"] == {"method": "attn-nbl", "criterion": "cosine", "m": 1,
-                                   "layers": art.select()}
+                                   "layers": art.select(), "taps": 1}
     # no sliding window: replacing 1 of 3 layers frees a third of the cache at any context
     assert kv["stock"]["caches"]["global"]["layers"] == 3 and kv["nbl"]["caches"]["global"]["layers"] == 2
     assert 3 * kv["nbl"]["bytes"] == 2 * kv["stock"]["bytes"] > 0

@@ -139,6 +139,9 @@ def test_selection_measures_the_taps_maps(tmp_path, tiny_folder, calibration_tex
     selection = artifact.report["selection"]
     chosen = selection["layers"]
     assert len(chosen) == 2 and selection["taps"] == TAPS
+    from nbl_gguf.calibration.calibrate import describe_selection
+
+    assert describe_selection(selection, 4).startswith(f"attn-nbl with past-token maps of {TAPS} tokens by best: ")
     ids = windows(tiny_folder, calibration_text, NSAMPLES + held)[NSAMPLES:]
 
     def ppl(kind):

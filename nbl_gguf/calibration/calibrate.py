@@ -192,7 +192,9 @@ def describe_kv(kv: dict) -> list[str]:
 
 def describe_selection(selection: dict, num_layers: int) -> str:
     """What was chosen and, for auto and greedy, why (the held-out perplexity along the way)."""
-    lines = [f"{selection['method']} by {selection['criterion']}: replace layers {selection['layers']} of {num_layers}"]
+    taps = int(selection.get("taps", 1))
+    maps = f" with past-token maps of {taps} tokens" if taps > 1 else ""
+    lines = [f"{selection['method']}{maps} by {selection['criterion']}: replace layers {selection['layers']} of {num_layers}"]
     heldout = selection.get("heldout")
     if heldout:
         increases = heldout["ppl_increase_pct"]
