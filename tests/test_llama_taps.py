@@ -383,14 +383,14 @@ def load_make_seeds():
 def test_taps_on_an_architecture_without_taps_support_is_refused(tmp_path):
     seeds = load_make_seeds()
     # the writer refuses it by name, leaving nothing behind
-    stock = seeds.write_seed(tmp_path / "qwen2.gguf", "qwen2", seeds.Seed("qwen2", None))
+    stock = seeds.write_seed(tmp_path / "qwen3.gguf", "qwen3", seeds.Seed("qwen3", None))
     taps = TinyLlama(n_layer=3, n_embd=seeds.N_EMBD).random_taps([1], 3)
-    with pytest.raises(NblError, match="'qwen2' model; the patched llama.cpp runs taps layers .* for llama only"):
+    with pytest.raises(NblError, match="'qwen3' model; the patched llama.cpp runs taps layers .* for llama, qwen2 only"):
         nbl_format.write_nbl_gguf(stock, tmp_path / "out.gguf", nbl_format.NblLayers(types=[A, T, A], taps=taps))
     assert not list(tmp_path.glob("out.gguf*")) and not list(tmp_path.glob(".out.gguf*"))
     # and the loader refuses a file made anyway
-    made = seeds.write_seed(tmp_path / "qwen2-taps.gguf", "qwen2-taps", seeds.Seed("qwen2", (A, T, D), taps=3))
-    with pytest.raises(NblError, match=r"NBL taps layers \(type 3\) are not supported for architecture 'qwen2'"):
+    made = seeds.write_seed(tmp_path / "qwen3-taps.gguf", "qwen3-taps", seeds.Seed("qwen3", (A, T, D), taps=3))
+    with pytest.raises(NblError, match=r"NBL taps layers \(type 3\) are not supported for architecture 'qwen3'"):
         library.load_model(made, n_ctx=64)
 
 
