@@ -266,10 +266,14 @@ def test_taps_are_refused_for_a_graph_without_them(tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
-@pytest.mark.parametrize("family, runtime, method, expected", [
-    ("llama", "nbl", "attn-nbl", DEFAULT_TAPS), ("qwen2", "nbl", "attn-nbl", DEFAULT_TAPS), ("llama", "stock", "attn-nbl", 1),
-    ("llama", "nbl", "attn-drop", 1), ("phi3", "nbl", "attn-nbl", 1)])
-def test_taps_auto_is_the_default_where_the_file_can_carry_taps_layers(family, runtime, method, expected, tmp_path):
+@pytest.mark.parametrize("family, runtime, method, hidden, device, expected", [
+    ("llama", "nbl", "attn-nbl", 576, "cpu", DEFAULT_TAPS), ("qwen2", "nbl", "attn-nbl", 896, "cpu", DEFAULT_TAPS),
+    ("llama", "stock", "attn-nbl", 576, "cpu", 1), ("llama", "nbl", "attn-drop", 576, "cpu", 1),
+    ("phi3", "nbl", "attn-nbl", 576, "cpu", 1),
+    # an 8B width: its taps fit is too dear for a CPU (minutes and ~10 GB a layer), not for a GPU
+    ("llama", "nbl", "attn-nbl", 4096, "cpu", 1), ("llama", "nbl", "attn-nbl", 4096, "cuda", DEFAULT_TAPS)])
+def test_taps_auto_is_the_default_where_the_file_can_carry_taps_layers(family, runtime, method, hidden, device, expected,
+                                                                      tmp_path):
     from nbl_gguf.gguf.from_artifact import check_taps
 
     folder = tmp_path / family
@@ -283,4 +287,4 @@ def test_taps_auto_is_the_default_where_the_file_can_carry_taps_layers(family, r
             return folder
 
     args = argparse.Namespace(taps="auto", runtime=runtime)
-    assert check_taps(args, Source(), method) == expected
+    assert check_taps(args, Source(), method, hidden, device) == expected

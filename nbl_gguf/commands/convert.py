@@ -211,7 +211,13 @@ def convert(args) -> Summary:
         n_layer, hidden = model_shape(source.hf_folder())
     if args.runtime == "stock":
         check_stock_runtime(source)
-    taps = check_taps(args, source, method)
+    if args.taps == "auto" and not args.calibration:
+        from nbl_gguf import models
+
+        device = models.resolve_device(args.device)
+    else:
+        device = "cpu"  # not asked: the count is given, or the artifact's
+    taps = check_taps(args, source, method, hidden, device)
     if source.gguf is None:
         check_conversion_space(source.hf_folder(), intermediate_type(args, quant, source.hf_folder()),
                                output.resolve().parent)

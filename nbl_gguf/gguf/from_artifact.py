@@ -37,18 +37,23 @@ GGUF_ARCHITECTURE_OF = {"llama": "llama", "mistral": "llama", "mixtral": "llama"
 # convert's --taps auto where the file can carry taps layers: the low-rank K = 4 map of
 # docs/results/taps.md, chosen there by held-out perplexity against bytes
 DEFAULT_TAPS = 4
+# ... but not on a CPU above this width: one layer's taps fit at d = 4096 (the 8B shape) took 208 s and
+# 9.7 GiB here (docs/results/taps.md, "At the 8B shape"), against the 6 GB a streamed 8B conversion keeps to
+AUTO_TAPS_CPU_MAX_WIDTH = 2048
 
 
-def check_taps(args, source, method: str) -> int:
+def check_taps(args, source, method: str, hidden: int | None = None, device: str = "cpu") -> int:
     """--taps K: past-token maps (GGUF layer type 3) need the NBL layout, the attention's maps and a
     graph that builds them; checked before calibrating. Returns K; 'auto' is DEFAULT_TAPS where the
-    file can carry them, else 1 (with --calibration, convert takes the artifact's instead)."""
+    file can carry them and the calibration (on ``device``, width ``hidden``) fits them cheaply, else 1
+    (with --calibration, convert takes the artifact's instead)."""
     from nbl_gguf.gguf import nbl_format
 
     if args.taps == "auto":
         fits = (args.runtime == "nbl" and method == "attn-nbl" and not getattr(args, "whole_model", False)
                 and _architecture(source) in nbl_format.TAPS_ARCHITECTURES)
-        return DEFAULT_TAPS if fits else 1
+        cheap = device.startswith("cuda") or hidden is None or hidden <= AUTO_TAPS_CPU_MAX_WIDTH
+        return DEFAULT_TAPS if fits and cheap else 1
     taps = int(args.taps)
     if taps < 2:
         return taps
