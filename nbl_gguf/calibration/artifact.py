@@ -148,15 +148,13 @@ class CalibrationArtifact:
 
     def taps_map(self, layer: int):
         """The calibration.taps.TapsMap of ``layer`` (float32 tensors), checked like the linear maps."""
-        from nbl_gguf.calibration.taps import TENSOR_NAMES, TapsMap
+        from nbl_gguf.calibration.taps import map_from_tensors
 
         if self.taps < 2:
             raise NblError(f"the calibration in {self.path} has no past-token maps: calibrate with --taps K (K > 1)")
         if not 0 <= layer < self.num_layers:
             raise NblError(f"layer {layer} out of range (the model has {self.num_layers})")
-        present = {name: self._tensor(f"taps.{layer}.{name}", None) for name in TENSOR_NAMES
-                   if f"taps.{layer}.{name}" in self.tensors or name in ("weight", "bias")}
-        return TapsMap(taps=self.taps, **present)
+        return map_from_tensors(lambda name: self._tensor(name, None), layer, self.taps, self.tensors)
 
     def _tensor(self, name: str, shape: tuple[int, ...] | None) -> np.ndarray:
         """A map tensor, checked: an edited or damaged artifact must not reach a GGUF."""

@@ -42,6 +42,8 @@ FORMS = ("full", "lowrank", "channel")
 # gain at about half its bytes; its rank scales with the width (128 was measured at d = 576)
 DEFAULT_FORM = "lowrank"
 RANK_FRACTION = 4  # default rank: n_embd / RANK_FRACTION
+# a map's tensors, by their GGUF suffix and their name in the calibration state and artifact (taps.<layer>.<name>)
+TENSOR_NAMES = ("weight", "bias", "lag", "lag_down", "lag_up", "conv")
 RCOND = 1e-10  # ridge of the solves, relative to the largest diagonal entry
 CHANNEL_ITERATIONS = 50
 CHANNEL_TOLERANCE = 1e-5  # relative drop of the error below which the alternation stops
@@ -175,9 +177,8 @@ class TapsMap:
         return None if self.lag_down is None else int(self.lag_down.shape[0])
 
     def tensors(self) -> dict[str, np.ndarray]:
-        """The non-empty tensors by their GGUF suffix (weight, bias, lag, lag_down, lag_up, conv)."""
-        names = ("weight", "bias", "lag", "lag_down", "lag_up", "conv")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        """The non-empty tensors by their GGUF suffix (TENSOR_NAMES)."""
+        return {name: getattr(self, name) for name in TENSOR_NAMES if getattr(self, name) is not None}
 
     def params(self) -> int:
         """Weights of the layer (the bias included): its bytes at a given type."""
@@ -355,19 +356,16 @@ def default_rank(d: int) -> int:
 
 # --- in the calibration state and the artifact: one layer's map as tensors "taps.<layer>.<name>" ---------
 
-TENSOR_NAMES = ("weight", "bias", "lag", "lag_down", "lag_up", "conv")
-
-
 def map_tensors(layer: int, taps_map: TapsMap) -> dict[str, np.ndarray]:
     return {f"taps.{layer}.{name}": np.asarray(array, dtype=np.float32) for name, array in taps_map.tensors().items()}
 
 
 def map_from_tensors(get, layer: int, taps: int, names) -> TapsMap:
-    """The TapsMap of ``layer`` from ``get(name)`` over the tensor ``names`` present (the artifact's or
-    the state's)."""
-    present = {name: get(f"taps.{layer}.{name}") for name in TENSOR_NAMES if f"taps.{layer}.{name}" in names}
-    if "weight" not in present or "bias" not in present:
-        raise NblError(f"layer {layer}: no taps map (taps.{layer}.weight and .bias)")
+    """The TapsMap of ``layer`` from ``get(name)`` (the artifact's or the state's reader), for the
+    optional tensors among ``names`` present; the weight and the bias are always read, so a missing
+    one is ``get``'s error."""
+    present = {name: get(f"taps.{layer}.{name}") for name in TENSOR_NAMES
+               if name in ("weight", "bias") or f"taps.{layer}.{name}" in names}
     return TapsMap(taps=taps, **present)
 
 

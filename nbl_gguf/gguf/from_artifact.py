@@ -31,9 +31,6 @@ def check_method(method: str) -> str:
     return method
 
 
-# HF model types and the GGUF architecture the pinned converter writes for them, for the taps check
-# before calibrating (nbl_format.TAPS_ARCHITECTURES: the graphs that build taps layers)
-GGUF_ARCHITECTURE_OF = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2"}
 # convert's --taps auto where the file can carry taps layers: the low-rank K = 4 map of
 # docs/results/taps.md, chosen there by held-out perplexity against bytes
 DEFAULT_TAPS = 4
@@ -54,18 +51,16 @@ def check_taps(args, source, method: str, hidden: int | None = None, device: str
                 and _architecture(source) in nbl_format.TAPS_ARCHITECTURES)
         cheap = device.startswith("cuda") or hidden is None or hidden <= AUTO_TAPS_CPU_MAX_WIDTH
         return DEFAULT_TAPS if fits and cheap else 1
+    from nbl_gguf.calibration.calibrate import check_taps as check_calibration_taps
+
+    check_calibration_taps(args)  # the count, the rank, the method, the streamed calibrator
     taps = int(args.taps)
     if taps < 2:
         return taps
-    if taps > nbl_format.MAX_TAPS:
-        raise NblError(f"--taps {taps}: a taps layer reads at most {nbl_format.MAX_TAPS} tokens")
     if args.runtime == "stock":
         raise NblError(f"--taps {taps} writes taps layers, which keep the inputs of earlier tokens in a state per "
                        f"sequence: stock llama.cpp's deci layers cannot, so use --runtime nbl (the patched llama.cpp) "
                        f"or --taps 1")
-    if method != "attn-nbl":
-        raise NblError(f"--taps {taps} replaces the attention by a past-token map: it goes with --method attn-nbl, "
-                       f"not {method}")
     arch = _architecture(source)
     if arch not in nbl_format.TAPS_ARCHITECTURES:
         raise NblError(f"--taps {taps}: the patched llama.cpp builds taps layers for "
@@ -75,11 +70,13 @@ def check_taps(args, source, method: str, hidden: int | None = None, device: str
 
 
 def _architecture(source) -> str | None:
-    """The GGUF architecture of --model (for a HF folder, the one the converter will write)."""
+    """The GGUF architecture of --model (for a HF folder, the one the converter will write: the adapter
+    table's)."""
+    from nbl_gguf import models
+
     if source.gguf is not None:
         return source.gguf.architecture
-    config = json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
-    return GGUF_ARCHITECTURE_OF.get(config.get("model_type"), config.get("model_type"))
+    return models.get_adapter(json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))).gguf_arch
 
 
 def taps_maps(artifact, layers: list[int], taps: int) -> dict:
