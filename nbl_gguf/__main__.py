@@ -1,3 +1,3 @@
-from nbl_gguf.cli import main
+from nbl_gguf.cli import program
 
-raise SystemExit(main())
+program()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -24,6 +25,27 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command in this process and return its exit code (128 + N after signal N)."""
+    return _run(argv)[0]
+
+
+def program() -> None:
+    """The `nbl-gguf` / `python -m nbl_gguf` entry point: exits with the command's code, and an
+    interrupted run dies by its signal, as an uncaught Ctrl-C ends any Python program. A shell then
+    reports 128 + N and a calling script or make stops too. CPython itself ends that way, at random,
+    after a KeyboardInterrupt that was caught (when it was first raised inside C-evaluated code), so
+    taking this path every time keeps the exit status the same from one run to the next."""
+    code, interrupt = _run(None)
+    if interrupt is None:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(interrupt, signal.SIG_DFL)
+    os.kill(os.getpid(), interrupt)
+    sys.exit(code)  # reached only where the signal is blocked: the status a shell would have shown
+
+
+def _run(argv: list[str] | None) -> tuple[int, signal.Signals | None]:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="nbl_gguf", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -31,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, help=help_text, add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
-        return 0 if argv else 2
+        return (0 if argv else 2), None
     name = argv[0]
     if name not in COMMANDS:
         parser.parse_args(argv)  # prints the usage error and exits
@@ -44,20 +66,20 @@ def main(argv: list[str] | None = None) -> int:
             except ModuleNotFoundError as error:
                 if error.name == module_name:
                     print(f"nbl_gguf: the '{name}' command is not available in this build", file=sys.stderr)
-                    return 2
+                    return 2, None
                 raise
             command_parser = argparse.ArgumentParser(prog=f"nbl_gguf {name}", description=help_text)
             module.add_arguments(command_parser)
             args = command_parser.parse_args(argv[1:])
-            return int(module.run(args) or 0)
+            return int(module.run(args) or 0), None
     except NblError as error:
         print(f"nbl_gguf {name}: error: {error}", file=sys.stderr)
-        return 2
+        return 2, None
     except KeyboardInterrupt:
         # every write is atomic and every temp file is removed while the interrupt unwinds: say so
         # in one line instead of a traceback through whatever was running
         print(f"nbl_gguf {name}: interrupted by {stop.signal_name}; no partial output was left", file=sys.stderr)
-        return 128 + stop.signal_number
+        return 128 + stop.signal_number, signal.Signals(stop.signal_number)
 
 
 class _Interrupts:

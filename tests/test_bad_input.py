@@ -364,7 +364,9 @@ def test_bad_input(name, shared, tmp_path):
     try:
         if case.interrupt:
             code, stderr = run_interrupted(command, folder, case.interrupt)
-            assert code == 128 + case.interrupt.signal
+            # it dies by the signal (a shell shows 128 + N), every time: CPython alone would do so only
+            # sometimes after a caught KeyboardInterrupt, and exit 130 the other times
+            assert code == -case.interrupt.signal, f"exit status {code}, not killed by {case.interrupt.signal.name}"
             assert "Traceback" not in stderr, stderr
         else:
             completed = subprocess.run(command, cwd=folder, env=environment(), capture_output=True, text=True,
