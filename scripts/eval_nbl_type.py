@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ms", default="4,8")
     parser.add_argument("--types", default="default,q4_k,q5_k,q6_k,q8_0,f16")
     parser.add_argument("--quants", default=None, help="HF --model: convert --quant for each (instead of --types)")
+    parser.add_argument("--emulate", default="", help="types measured by quantizing W and back, stored F32")
     parser.add_argument("--taps", default="1", help="convert --taps for each (comma-separated)")
     parser.add_argument("--criterion", default="cosine")
     parser.add_argument("--eval-chunks", type=int, default=16)
@@ -48,16 +50,24 @@ def main(argv=None) -> int:
     from nbl_gguf.gguf.inspect import describe
 
     variants = [("quant", q) for q in args.quants.split(",")] if args.quants else \
-        [("nbl_type", t) for t in args.types.split(",")]
+        [("nbl_type", t) for t in args.types.split(",") if t]
+    variants += [("emulated_type", t) for t in args.emulate.split(",") if t]
     rows = [(m, variant, taps) for m in [int(x) for x in args.ms.split(",")] for variant in variants
             for taps in [int(x) for x in args.taps.split(",")]]
     with tempfile.TemporaryDirectory() as tmp, open(args.out, "a", encoding="utf-8") as out:
         for m, (option, nbl_type), taps in rows:
             output = Path(tmp) / f"nbl-{m}-{nbl_type}-{taps}.gguf"
-            argv = ["--model", args.model, "--calibration", args.calibration, "--m", str(m), "--criterion",
+            calibration = args.calibration
+            if option == "emulated_type":
+                calibration = Path(tmp) / f"calibration-{nbl_type}"
+                if not calibration.exists():
+                    emulated_artifact(Path(args.calibration), nbl_type, calibration)
+            argv = ["--model", args.model, "--calibration", str(calibration), "--m", str(m), "--criterion",
                     args.criterion, "--eval-chunks", str(args.eval_chunks), "--no-progress", "-o", str(output),
                     "--taps", str(taps)]
-            if nbl_type != "default":
+            if option == "emulated_type":
+                argv += ["--nbl-type", "f32"]
+            elif nbl_type != "default":
                 argv += [f"--{option.replace('_', '-')}", nbl_type]
             command = argparse.ArgumentParser()
             convert_command.add_arguments(command)
@@ -71,11 +81,62 @@ def main(argv=None) -> int:
                    "state_bytes_per_sequence": state["state_bytes_per_sequence"] if state else 0,
                    "criterion": args.criterion, "nbl_bytes": summary.nbl_bytes, "stock_bytes": summary.stock_bytes,
                    "heldout": heldout, "seconds": round(time.perf_counter() - start, 1)}
+            if option == "emulated_type":
+                row["w_bytes_per_layer_in_type"] = weight_bytes(nbl_type, load_width(calibration))
             print(json.dumps(row), flush=True)
             out.write(json.dumps(row) + "\n")
             out.flush()
             output.unlink(missing_ok=True)
     return 0
+
+
+def load_width(calibration: Path) -> int:
+    from nbl_gguf.calibration.artifact import load_artifact
+
+    return int(load_artifact(calibration).linear(0)[0].shape[1])
+
+
+def weight_bytes(type_name: str, width: int) -> int:
+    """Bytes of a width x width W in ``type_name`` if its blocks fit (bits per weight x weights)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name.upper()]]
+    return width * width * size // block
+
+
+def emulate(matrix, type_name: str):
+    """``matrix`` [rows, n] through ggml's quantizer for ``type_name`` and gguf-py's dequantizer, each row
+    padded with zeros to the type's block (a zero block costs nothing in a K-quant's scales)."""
+    import gguf
+    import numpy as np
+
+    from nbl_gguf.llamacpp import ggml
+
+    qtype = gguf.GGMLQuantizationType[type_name.upper()]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    rows, n = matrix.shape
+    padded = np.zeros((rows, -(-n // block) * block), dtype=np.float32)
+    padded[:, :n] = matrix
+    values = gguf.quants.dequantize(ggml.quantize(padded, int(qtype), qtype.name), qtype)
+    return np.ascontiguousarray(values.reshape(rows, -1)[:, :n], dtype=np.float32)
+
+
+def emulated_artifact(source: Path, type_name: str, folder: Path) -> None:
+    """A copy of the artifact ``source`` whose per-token maps hold what ``type_name`` would store."""
+    from safetensors import safe_open
+
+    from nbl_gguf.calibration.artifact import WEIGHTS, LazyTensors, save_safetensors
+
+    tensors = LazyTensors([source / WEIGHTS])
+    with safe_open(str(source / WEIGHTS), framework="numpy") as handle:
+        metadata = handle.metadata() or {}
+    maps = {name: emulate(tensors[name], type_name) for name in tensors
+            if name.startswith("attn.") and name.endswith(".weight")}
+    folder.mkdir()
+    for path in source.iterdir():
+        if path.name != WEIGHTS:
+            shutil.copy2(path, folder / path.name)
+    save_safetensors(folder / WEIGHTS, {name: maps.get(name, tensors[name]) for name in tensors}, metadata)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,12 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
     names = {t.name for t in reader.tensors}
     for layer in summary.replaced:
         assert f"blk.{layer}.attn_nbl.weight" in names and f"blk.{layer}.attn_q.weight" not in names
+    # W as the stock file's attn_output: q4_k_m's Q4_K cannot hold rows of 64, llama-quantize's Q5_0 can
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    kept = next(i for i in range(N_LAYER) if i not in summary.replaced)
+    assert types[f"blk.{kept}.attn_output.weight"] == "Q5_0"
+    assert {types[f"blk.{layer}.attn_nbl.weight"] for layer in summary.replaced} == {"Q5_0"}
+    assert f"NBL weights: Q5_0 in layers {', '.join(map(str, summary.replaced))} (their attn_output's type)" in table
 
 
 @needs_converter

@@ -251,7 +251,7 @@ def test_ggml_quantizers_match_gguf_py():
         ggml.quantize(matrix[:, :96], int(gguf.GGMLQuantizationType.Q4_K), "Q4_K")
 
 
-def test_weight_type_follows_attn_output_or_falls_back(tmp_path):
+def test_weight_type_follows_attn_output_raised_to_5_bits_or_falls_back(tmp_path):
     """Gemma 3 1B's shape: n_embd 1152 is no multiple of 256, its attn_output rows (4 x 256) are."""
     import gguf
 
@@ -260,17 +260,52 @@ def test_weight_type_follows_attn_output_or_falls_back(tmp_path):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         return f"blk.{layer}.attn_output.weight", np.zeros((1152, 1024 // block * size), np.uint8), qtype
 
-    path = tiny_gguf(tmp_path / "gemma3.gguf", "gemma3", n_embd=1152, n_layer=3,
-                     tensors=[attn_output(0, "Q4_K"), attn_output(1, "IQ3_XXS"), attn_output(2, "Q5_0")])
-    layers = nbl_format.NblLayers(types=[1, 1, 1], linear={i: (None, None) for i in range(3)})
+    path = tiny_gguf(tmp_path / "gemma3.gguf", "gemma3", n_embd=1152, n_layer=4,
+                     tensors=[attn_output(0, "Q4_K"), attn_output(1, "IQ3_XXS"), attn_output(2, "Q5_0"),
+                              attn_output(3, "Q6_K")])
+    layers = nbl_format.NblLayers(types=[1] * 4, linear={i: (None, None) for i in range(4)})
     chosen = nbl_format.weight_types(path, layers)
-    assert chosen[0] == nbl_format.WeightType("Q8_0", "Q4_K", "rows of 1152 are not a multiple of its blocks of 256")
-    assert chosen[1] == nbl_format.WeightType("Q8_0", "IQ3_XXS", "it needs an importance matrix")
+    assert chosen[0] == nbl_format.WeightType("Q5_0", "Q4_K", "has 4.5 bits per weight, W at least 5.5")
+    assert chosen[1] == nbl_format.WeightType("Q5_0", "IQ3_XXS", "has 3.0625 bits per weight, W at least 5.5")
     assert chosen[2] == nbl_format.WeightType("Q5_0")
+    assert chosen[3] == nbl_format.WeightType("Q8_0", "Q6_K", "cannot hold the 1152 x 1152 matrix: rows of 1152 "
+                                                              "are not a multiple of its blocks of 256")
     assert {w.name for w in nbl_format.weight_types(path, layers, "iq4_nl").values()} == {"IQ4_NL"}
     with pytest.raises(NblError, match=r"--nbl-type q6_k cannot hold the 1152 x 1152 NBL weight: rows of 1152 are "
                                        r"not a multiple of its blocks of 256; use one of f32, f16, bf16, .*q8_0"):
         nbl_format.weight_types(path, layers, "q6_k")
+    # where K-quant rows fit, a 4-bit W becomes a 5-bit K-quant; 5.5 bits and more are kept
+    assert nbl_format.default_weight_type("Q4_K", 4096).name == "Q5_K"
+    assert nbl_format.default_weight_type("Q4_1", 576) == nbl_format.WeightType(
+        "Q5_0", "Q4_1", "has 5 bits per weight, W at least 5.5")
+    for kept in ("Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32"):
+        assert nbl_format.default_weight_type(kept, 4096) == nbl_format.WeightType(kept)
+
+
+def test_llama_quantize_gives_the_nbl_tensors_their_weight_type(tmp_path):
+    """tensor_type_overrides through the real llama-quantize: each layer's W in the type asked for, the
+    rest of the file in the q4_k_m mix."""
+    import gguf
+
+    from nbl_gguf.fixtures.tiny import TinyLlama
+    from nbl_gguf.gguf.from_artifact import quantized_weight_names
+    from nbl_gguf.gguf.quantize import quantize
+
+    tiny = TinyLlama(n_layer=4, n_embd=256, n_ff=512)
+    source = tiny.write_nbl_gguf(tmp_path / "nbl-f32.gguf", [1, 0, 1, 1], tiny.random_linear([0, 2, 3]))
+    wanted = {0: "Q5_K", 2: "Q8_0", 3: "Q5_K"}
+    overrides = nbl_format.tensor_type_overrides({i: nbl_format.WeightType(t) for i, t in wanted.items()},
+                                                 quantized_weight_names("nbl"))
+    assert overrides == ["--tensor-type", r"^(blk\.0\.attn_nbl\.weight|blk\.0\.attn_nbl_lag\.weight|"
+                         r"blk\.0\.attn_nbl_lag_down\.weight|blk\.0\.attn_nbl_lag_up\.weight|blk\.3\.attn_nbl\.weight|"
+                         r"blk\.3\.attn_nbl_lag\.weight|blk\.3\.attn_nbl_lag_down\.weight|blk\.3\.attn_nbl_lag_up\.weight)$=q5_k",
+                         "--tensor-type", r"^(blk\.2\.attn_nbl\.weight|blk\.2\.attn_nbl_lag\.weight|"
+                         r"blk\.2\.attn_nbl_lag_down\.weight|blk\.2\.attn_nbl_lag_up\.weight)$=q8_0"]
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(
+        quantize(source, tmp_path / "nbl-q4_k_m.gguf", "q4_k_m", extra_args=overrides)).tensors}
+    assert {layer: types[f"blk.{layer}.attn_nbl.weight"] for layer in wanted} == wanted
+    assert types["blk.1.attn_output.weight"] == "Q4_K" and types["blk.1.attn_q.weight"] == "Q4_K"
+    assert types["blk.0.attn_nbl.bias"] == "F32"
 
 
 # --- the embedded SmolLM2 Q4_1 GGUF through convert ---------------------------------------------
@@ -321,13 +356,13 @@ def test_untouched_tensors_keep_their_bytes(smol, embedded_gguf):
     summary, output, artifact, types = smol
     assert [i for i, t in enumerate(types) if t] == summary.replaced and len(summary.replaced) == M
     w_types = assert_surgery(embedded_gguf, output, types)
-    assert set(w_types.values()) == {"Q4_1"}  # the attn_output type of every layer of this file
+    assert set(w_types.values()) == {"Q5_0"}  # every layer's attn_output is Q4_1, raised to 5.5 bits
 
-    # W's bytes are gguf-py's Q4_1 of the calibrated map; b is the map's bias exactly
+    # W's bytes are gguf-py's Q5_0 of the calibrated map; b is the map's bias exactly
     out = tensors_of(gguf.GGUFReader(output))
     for layer in summary.replaced:
         weight, bias = artifact.linear(layer, "attn")
-        expected = gguf.quants.quantize(np.ascontiguousarray(weight, np.float32), gguf.GGMLQuantizationType.Q4_1)
+        expected = gguf.quants.quantize(np.ascontiguousarray(weight, np.float32), gguf.GGMLQuantizationType.Q5_0)
         assert bytes(out[nbl_format.NBL_WEIGHT.format(layer=layer)].data) == expected.tobytes()
         np.testing.assert_array_equal(out[nbl_format.NBL_BIAS.format(layer=layer)].data, bias.astype(np.float32))
 
@@ -341,16 +376,17 @@ def test_untouched_tensors_keep_their_bytes(smol, embedded_gguf):
         assert stock.bytes == 30 * n_ctx * 3 * 64 * 2 * 2 and nbl.bytes == stock.bytes * (30 - M) // 30
     table = summary.table()
     assert "stock Q4_1" in table and f"{embedded_gguf.name} itself" in table
-    assert f"NBL weights: Q4_1 in layers {', '.join(map(str, summary.replaced))} (their attn_output's type)" in table
+    assert (f"NBL weights: Q5_0 in layers {', '.join(map(str, summary.replaced))} (their attn_output's Q4_1 has 5 "
+            f"bits per weight, W at least 5.5)") in table
     assert listing(output.parent) == {output.name}  # no temp files left next to it
 
 
 def test_nbl_file_logits_match_pytorch(smol, dequantized):
-    """llama.cpp on the NBL file against PyTorch with the W the file holds (Q4_1, as gguf-py reads it)."""
+    """llama.cpp on the NBL file against PyTorch with the W the file holds (Q5_0, as gguf-py reads it)."""
     summary, output, artifact, types = smol
     loaded, windows, stock = dequantized
-    got = deviation(nbl_model(loaded, types, file_linear(output), "Q4_1"), output, windows)
-    print(f"NBL Q4_1 file vs PyTorch NBL: {got}")
+    got = deviation(nbl_model(loaded, types, file_linear(output), "Q5_0"), output, windows)
+    print(f"NBL Q5_0-map file vs PyTorch NBL: {got}")
     assert got.within(stock), (got, stock)
 
 

@@ -27,7 +27,8 @@ from nbl_gguf.commands import flags
 from nbl_gguf.commands.convert_summary import Summary, resources_table
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf.from_artifact import (RUNTIMES, check_method, check_stock_runtime, check_taps, chosen_layers,
-                                         gguf_notes, linear_map, provenance, recorded_scores, taps_maps, writer)
+                                         gguf_notes, linear_map, provenance, quantized_weight_names, recorded_scores,
+                                         taps_maps, weight_notes, writer)
 from nbl_gguf.gguf.quantize import FLOAT_TYPES, check_quant
 from nbl_gguf.outputs import check_output_dir, check_output_file
 from nbl_gguf.usage import StageMeter
@@ -317,7 +318,11 @@ def convert(args) -> Summary:
                 with stage("quantize stock"):
                     stock_final = quantize(stock, tmp / f"stock-{quant}.gguf", quant, threads=args.threads)
                 with stage("quantize NBL"):
-                    quantize(nbl_path, output, quant, imatrix=imatrix, threads=args.threads)
+                    # W's type from the quantized stock file's attn_output, as for a GGUF --model
+                    weights = nbl_format.weight_types(stock_final, layers)
+                    overrides = nbl_format.tensor_type_overrides(weights, quantized_weight_names(args.runtime))
+                    quantize(nbl_path, output, quant, imatrix=imatrix, threads=args.threads, extra_args=overrides)
+                    notes = weight_notes(weights)
         heldout = None
         if not args.no_eval:
             with stage("held-out perplexity"):

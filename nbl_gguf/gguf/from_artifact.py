@@ -150,16 +150,30 @@ def writer(runtime: str):
 def gguf_notes(source, weights: dict, requested: str | None, runtime: str = "nbl") -> list[str]:
     """What the summary says about a GGUF input: what was kept, and the NBL weights' types and why."""
     keys = "all its keys" if runtime == "nbl" else "all its keys (llama.* renamed deci.*)"
-    notes = [f"stock: {source.path.name} itself; the NBL file keeps {keys} and every tensor but the "
-             f"replaced attention, byte for byte"]
+    return [f"stock: {source.path.name} itself; the NBL file keeps {keys} and every tensor but the "
+            f"replaced attention, byte for byte", *weight_notes(weights, requested)]
+
+
+def weight_notes(weights: dict, requested: str | None = None) -> list[str]:
+    """One summary line per type of the NBL weights: which layers, and why that type."""
     by_type: dict[tuple, list[int]] = {}
     for layer, weight in weights.items():
         by_type.setdefault((weight.name, weight.instead_of, weight.reason), []).append(layer)
+    notes = []
     for (name, instead_of, reason), layers in by_type.items():
         why = ("--nbl-type" if requested is not None else "their attn_output's type" if instead_of is None else
-               f"their attn_output's {instead_of} cannot hold the {source.n_embd} x {source.n_embd} matrix: {reason}")
+               f"their attn_output's {instead_of} {reason}")
         notes.append(f"NBL weights: {name} in layers {', '.join(map(str, layers))} ({why})")
     return notes
+
+
+def quantized_weight_names(runtime: str) -> tuple[str, ...]:
+    """The tensors of a replaced layer that take W's type (nbl_format.weight_types) when llama-quantize
+    quantizes an NBL file of ``runtime``: W and a taps layer's lag maps (not its F32 per-channel taps)."""
+    from nbl_gguf.gguf import nbl_format
+
+    lags = tuple(pattern for name, pattern in nbl_format.TAPS_TENSORS.items() if name != "conv")
+    return {"nbl": (nbl_format.NBL_WEIGHT, *lags), "stock": ("blk.{layer}.attn_output.weight",)}[runtime]
 
 
 def llama_cpp_commit() -> str | None:

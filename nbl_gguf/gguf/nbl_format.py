@@ -53,6 +53,12 @@ FLOAT_WEIGHT_TYPES = ("F32", "F16", "BF16")
 # W's type when the one it would inherit (its layer's attn_output) cannot hold an n_embd x n_embd
 # matrix: q8_0 keeps W within about 0.5% at a quarter of F32's bytes; F16 when even its blocks do not fit
 FALLBACK_WEIGHT_TYPES = ("Q8_0", "F16")
+# W does a replaced attention's whole work in one matrix, so its rounding costs more than a projection's:
+# a 4-bit W (Q4_K, Q4_0, Q4_1, IQ4_*, and less) cost up to 1.4-1.7 points of held-out perplexity at
+# m = 8 on both our models, and 5 bits took it back to within 0.5 of Q8_0 (docs/results/nbl-type.md).
+# Below MIN_WEIGHT_BITS per weight, W takes the first of RAISED_WEIGHT_TYPES that holds its rows.
+MIN_WEIGHT_BITS = 5.5
+RAISED_WEIGHT_TYPES = ("Q5_K", "Q5_0", "F16")
 
 
 @dataclass
@@ -174,6 +180,27 @@ def weight_type_problem(name: str, n_embd: int) -> str | None:
     return None
 
 
+def bits_per_weight(name: str) -> float:
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    return 8 * size / block
+
+
+def default_weight_type(own: str, n_embd: int) -> WeightType:
+    """W's type in a layer whose attn_output is ``own``: that type, raised to MIN_WEIGHT_BITS, or a
+    fallback where it cannot hold an n_embd x n_embd matrix; with the reason when it is not ``own``."""
+    bits = bits_per_weight(own)
+    if bits < MIN_WEIGHT_BITS:
+        raised = next(t for t in RAISED_WEIGHT_TYPES if weight_type_problem(t, n_embd) is None)
+        return WeightType(raised, own, f"has {bits:g} bits per weight, W at least {MIN_WEIGHT_BITS:g}")
+    problem = weight_type_problem(own, n_embd)
+    if problem is not None:
+        fallback = next(t for t in FALLBACK_WEIGHT_TYPES if weight_type_problem(t, n_embd) is None)
+        return WeightType(fallback, own, f"cannot hold the {n_embd} x {n_embd} matrix: {problem}")
+    return WeightType(own)
+
+
 def parse_weight_type(text: str, n_embd: int) -> str:
     """``--nbl-type``: a ggml tensor type (any case) that can hold W, else an NblError saying why not."""
     import gguf
@@ -196,8 +223,7 @@ def parse_weight_type(text: str, n_embd: int) -> str:
 
 def weight_types(src, layers: NblLayers, requested: str | None = None) -> dict[int, WeightType]:
     """W's type for each linear layer of ``layers`` written into ``src`` (a path or an open GGUFReader):
-    ``requested`` for all, or by default the type of that layer's attn_output (a fallback where that
-    cannot hold W)."""
+    ``requested`` for all, or by default from the type of that layer's attn_output (default_weight_type)."""
     import gguf
 
     reader = src if isinstance(src, gguf.GGUFReader) else gguf.GGUFReader(src)
@@ -208,16 +234,22 @@ def weight_types(src, layers: NblLayers, requested: str | None = None) -> dict[i
         name = parse_weight_type(requested, n_embd)
         return {layer: WeightType(name) for layer in mapped}
     attn_output = {layer_of(t.name): t.tensor_type.name for t in reader.tensors if t.name.endswith(".attn_output.weight")}
-    chosen = {}
-    for layer in mapped:
-        own = attn_output.get(layer, "F32")
-        problem = weight_type_problem(own, n_embd)
-        if problem is None:
-            chosen[layer] = WeightType(own)
-        else:
-            fallback = next(t for t in FALLBACK_WEIGHT_TYPES if weight_type_problem(t, n_embd) is None)
-            chosen[layer] = WeightType(fallback, own, problem)
-    return chosen
+    return {layer: default_weight_type(attn_output.get(layer, "F32"), n_embd) for layer in mapped}
+
+
+def tensor_type_overrides(weights: Mapping[int, WeightType], names: Sequence[str]) -> list[str]:
+    """llama-quantize arguments that give each layer's NBL tensors (``names``: patterns with {layer},
+    such as NBL_WEIGHT) the type in ``weights``: one --tensor-type regex per type."""
+    import re
+
+    by_type: dict[str, list[int]] = {}
+    for layer, weight in sorted(weights.items()):
+        by_type.setdefault(weight.name, []).append(layer)
+    args = []
+    for name, layers in by_type.items():
+        tensors = "|".join(re.escape(pattern.format(layer=layer)) for layer in layers for pattern in names)
+        args += ["--tensor-type", f"^({tensors})$={name.lower()}"]
+    return args
 
 
 def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
