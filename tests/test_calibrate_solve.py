@@ -130,6 +130,37 @@ def test_ill_conditioned_input_gets_a_reported_ridge():
     assert f.nmse < 0.05
 
 
+def test_large_covariances_skip_eigenvalues_with_the_same_fit(monkeypatch):
+    """Above EIGENVALUES_UP_TO the ridge is decided by a shifted Cholesky and cond estimated: the maps,
+    ridges and scores equal the eigenvalue path's, and cond is within 10% of the exact one (from below)."""
+    from nbl_gguf.calibration import solve
+
+    rng = np.random.default_rng(6)
+    d = 48
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    x = rng.standard_normal((4000, d)) * np.logspace(-2, 1, d) @ basis  # cond ~1e6, no ridge needed
+    singular = np.hstack([x[:, :-1], x[:, :1]])  # duplicated column: a ridge needed
+    for inputs, eigenvalue_calls in ((x, 0), (singular, 2)):
+        y = inputs @ rng.standard_normal((d, d)) * 0.1 + 0.05 * rng.standard_normal((4000, d))
+        moments = moments_of(inputs, y)
+        exact = fit(moments, residual=True), fit_without_bias(moments)
+        calls = []
+        monkeypatch.setattr(solve, "EIGENVALUES_UP_TO", 8)
+        monkeypatch.setattr(solve, "_eigvals", lambda c, real=solve._eigvals: calls.append(c) or real(c))
+        fast = fit(moments, residual=True), fit_without_bias(moments)
+        monkeypatch.undo()
+        # C_XX and E[X X^T] when singular; never C_Y+Y+ (Y+ = Y + X has noise in every direction)
+        assert len(calls) == eigenvalue_calls
+        for e, f in zip(exact, fast):
+            assert f.ridge == e.ridge
+            np.testing.assert_allclose(f.weight.numpy(), e.weight.numpy(), rtol=0, atol=1e-9 * np.abs(e.weight.numpy()).max())
+            assert f.nmse == pytest.approx(e.nmse, rel=1e-9, abs=1e-12)
+            assert 0.9 * e.cond <= f.cond <= e.cond * (1 + 1e-9), (f.cond, e.cond)
+        assert fast[0].cca_bound == pytest.approx(exact[0].cca_bound, rel=1e-9)
+        np.testing.assert_allclose(fast[0].rho.numpy(), exact[0].rho.numpy(), atol=1e-9)
+    assert exact[0].ridge > 0
+
+
 def test_fewer_tokens_than_hidden_size_is_an_error():
     rng = np.random.default_rng(5)
     x, y = random_pair(rng, 16, 16, 0.1)

@@ -28,7 +28,7 @@ class LinearFit:
     weight: torch.Tensor  # [dy, dx] float64, y ~ weight @ x + bias
     bias: torch.Tensor  # [dy] float64
     ridge: float  # 0.0 unless C_XX was ill-conditioned
-    cond: float  # condition number of C_XX
+    cond: float  # condition number of C_XX (estimated above EIGENVALUES_UP_TO)
     nmse: float  # exact Tr(C_YY - W C_XY) / Tr(C_YY)
     cca_bound: float  # sum(1 - rho^2) between X and Y (+ X for attention)
     rho: torch.Tensor = field(repr=False)  # canonical correlations, descending
@@ -85,6 +85,48 @@ def _cholesky(c: torch.Tensor, ridge: float) -> torch.Tensor:
     raise NblError("the calibration covariance is not positive definite even with a ridge (NaN in the statistics?)")
 
 
+# Above this size a layer's ridge test and condition number skip eigvalsh (see _regularized)
+EIGENVALUES_UP_TO = 1024
+COND_BLOCK, COND_ITERATIONS = 8, 12
+
+
+def _regularized(c: torch.Tensor, rcond: float) -> tuple[torch.Tensor, float, float]:
+    """(L, ridge, cond): the lower Cholesky factor of C + ridge I with _floor's ridge, and C's condition
+    number.
+
+    At d = 4096, eigvalsh takes 3.5 s on 2 cores and a layer's solve calls it three times for this
+    alone (docs/results/scale-cpu.md), to decide a ridge that activations rarely need. Above
+    EIGENVALUES_UP_TO, a Cholesky of C - rcond Tr(C) I decides it instead: it succeeds only when the
+    smallest eigenvalue is above rcond Tr(C) >= rcond max, where _floor's ridge is 0; cond is then
+    estimated by subspace iteration at both ends (from below: 2-5% low on dense spectra). Anything
+    else, and any smaller C, takes the eigenvalues."""
+    if c.shape[0] > EIGENVALUES_UP_TO:
+        scale = float(torch.trace(c))
+        if scale > 0:
+            eye = torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+            if int(torch.linalg.cholesky_ex(c - rcond * scale * eye)[1]) == 0:
+                factor = _cholesky(c, 0.0)
+                return factor, 0.0, _estimated_cond(c, factor)
+    values = _eigvals(c)
+    ridge = _floor(values, rcond)
+    return _cholesky(c, ridge), ridge, _cond(values)
+
+
+def _estimated_cond(c: torch.Tensor, factor: torch.Tensor) -> float:
+    """lambda_max(C) / lambda_min(C) from block subspace iteration on C and on C^-1 (through its Cholesky
+    factor), each ending in the largest Ritz value; a fixed start, so that the result repeats."""
+    generator = torch.Generator(device=c.device).manual_seed(0)
+    start = torch.randn(c.shape[0], COND_BLOCK, generator=generator, dtype=c.dtype, device=c.device)
+
+    def largest(apply) -> float:
+        basis = start
+        for _ in range(COND_ITERATIONS):
+            basis = torch.linalg.qr(apply(basis)).Q
+        return float(torch.linalg.eigvalsh(basis.T @ apply(basis))[-1])
+
+    return largest(lambda v: c @ v) * largest(lambda v: torch.cholesky_solve(v, factor))
+
+
 def _solve_right(b: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """B (L L^T)^-1 for the Cholesky factor L."""
     return torch.cholesky_solve(b.T, factor).T
@@ -96,8 +138,8 @@ def canonical_correlations(cxx: torch.Tensor, cyx: torch.Tensor, cyy: torch.Tens
     [0, 1], descending. Any whitening gives the same singular values, so the Cholesky factors serve:
     rho^2 are the eigenvalues of K K^T with K = L_Y^-1 C_YX L_X^-T. ``factor_x``: L_X, when known."""
     if factor_x is None:
-        factor_x = _cholesky(cxx, _floor(_eigvals(cxx), rcond))
-    factor_y = _cholesky(cyy, _floor(_eigvals(cyy), rcond))
+        factor_x = _regularized(cxx, rcond)[0]
+    factor_y = _regularized(cyy, rcond)[0]
     k = torch.linalg.solve_triangular(factor_y, cyx, upper=False)
     k = torch.linalg.solve_triangular(factor_x, k.T, upper=False).T
     squared = torch.linalg.eigvalsh(k @ k.T).flip(0)
@@ -110,9 +152,7 @@ def fit(m: Moments, residual: bool = False, rcond: float = RCOND) -> LinearFit:
     residual=True scores against Y + X (the attention case); W and b always predict Y itself.
     """
     _check_tokens(m)
-    values = _eigvals(m.cxx)
-    ridge = _floor(values, rcond)
-    factor = _cholesky(m.cxx, ridge)
+    factor, ridge, cond = _regularized(m.cxx, rcond)
     weight = _solve_right(m.cyx, factor)  # C_YX (C_XX + ridge I)^-1
     bias = m.mean_y - weight @ m.mean_x
     total = float(torch.trace(m.cyy))
@@ -120,7 +160,7 @@ def fit(m: Moments, residual: bool = False, rcond: float = RCOND) -> LinearFit:
     nmse = max(mse, 0.0) / total if total > 0 else 0.0
     target = m.with_residual() if residual else m
     rho = canonical_correlations(target.cxx, target.cyx, target.cyy, rcond, factor_x=factor)
-    return LinearFit(weight, bias, ridge, _cond(values), nmse, float(torch.sum(1 - rho**2)), rho)
+    return LinearFit(weight, bias, ridge, cond, nmse, float(torch.sum(1 - rho**2)), rho)
 
 
 def fit_without_bias(m: Moments, rcond: float = RCOND) -> BiasFreeFit:
@@ -131,9 +171,8 @@ def fit_without_bias(m: Moments, rcond: float = RCOND) -> BiasFreeFit:
     sxx = m.cxx + torch.outer(m.mean_x, m.mean_x)
     sxx = (sxx + sxx.T) / 2
     syx = m.cyx + torch.outer(m.mean_y, m.mean_x)
-    values = _eigvals(sxx)
-    ridge = _floor(values, rcond)
-    weight = _solve_right(syx, _cholesky(sxx, ridge))
+    factor, ridge, cond = _regularized(sxx, rcond)
+    weight = _solve_right(syx, factor)
     # E||Y - W X||^2 = Tr(S_YY) - 2 Tr(W S_XY) + Tr(W S_XX W^T), exact with or without a ridge
     syy_trace = float(torch.trace(m.cyy) + m.mean_y @ m.mean_y)
     mse = syy_trace - 2 * float(torch.sum(weight * syx)) + float(torch.sum((weight @ sxx) * weight))
@@ -142,7 +181,7 @@ def fit_without_bias(m: Moments, rcond: float = RCOND) -> BiasFreeFit:
         nmse = max(mse, 0.0) / total
     else:  # a constant Y: only its mean is left to predict, which a map without bias may miss
         nmse = 0.0 if mse <= 1e-12 * max(syy_trace, 1e-300) else float("inf")
-    return BiasFreeFit(weight, ridge, _cond(values), nmse)
+    return BiasFreeFit(weight, ridge, cond, nmse)
 
 
 def select_layers(scores, m: int) -> list[int]:
