@@ -288,3 +288,37 @@ def test_taps_auto_is_the_default_where_the_file_can_carry_taps_layers(family, r
 
     args = argparse.Namespace(taps="auto", runtime=runtime)
     assert check_taps(args, Source(), method, hidden, device) == expected
+
+
+def test_taps_need_more_fit_tokens_than_stacked_inputs(tmp_path):
+    """K taps of width d stack K x d inputs: auto keeps per-token maps below that many fit tokens, and
+    an explicit --taps K is refused before any work (not at layer 0 of the calibration)."""
+    from nbl_gguf.commands.convert import convert
+    from nbl_gguf.gguf.from_artifact import check_taps
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}), encoding="utf-8")
+
+    class Source:
+        gguf, name = None, "llama"
+
+        def hf_folder(self):
+            return folder
+
+    def resolved(taps, nsamples, seqlen=256):
+        args = argparse.Namespace(taps=taps, runtime="nbl", nsamples=nsamples, seqlen=seqlen, method="attn-nbl",
+                                  taps_rank=None, whole_model=False, calibration=None)
+        return check_taps(args, Source(), "attn-nbl", 576, "cpu")
+
+    assert resolved("auto", 8) == 1  # 2048 tokens for 4 x 576 = 2304 inputs
+    assert resolved("auto", 10) == DEFAULT_TAPS  # 2560
+    assert resolved("auto", None, 64) == 1  # the CPU's default 32 windows of 64: 2048
+    assert resolved(2, 8) == 2
+    with pytest.raises(NblError, match=r"--taps 4 stacks 4 x 576 = 2304 inputs a layer, and --nsamples 8 x --seqlen "
+                                       r"256 is 2048 tokens: fit on more than 2304 tokens, or use --taps 1"):
+        resolved(4, 8)
+    model = family_folder(tmp_path, "llama")
+    with pytest.raises(NblError, match=r"--taps 4 stacks 4 x \d+ = \d+ inputs a layer"):
+        convert(convert_args(model=str(model), taps=4, nsamples=2, seqlen=16, output=str(tmp_path / "x.gguf")))
+    assert not (tmp_path / "x.gguf").exists()

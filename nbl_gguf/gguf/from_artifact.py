@@ -41,22 +41,36 @@ AUTO_TAPS_CPU_MAX_WIDTH = 2048
 
 def check_taps(args, source, method: str, hidden: int | None = None, device: str = "cpu") -> int:
     """--taps K: past-token maps (GGUF layer type 3) need the NBL layout, the attention's maps and a
-    graph that builds them; checked before calibrating. Returns K; 'auto' is DEFAULT_TAPS where the
-    file can carry them and the calibration (on ``device``, width ``hidden``) fits them cheaply, else 1
-    (with --calibration, convert takes the artifact's instead)."""
+    graph that builds them, and more fit tokens than stacked inputs; checked before calibrating. Returns
+    K; 'auto' is DEFAULT_TAPS where the file can carry them and the calibration (on ``device``, width
+    ``hidden``, its tokens) fits them cheaply, else 1 (with --calibration, convert takes the artifact's
+    instead)."""
     from nbl_gguf.gguf import nbl_format
 
+    from nbl_gguf.calibration.calibrate import DEFAULT_NSAMPLES
+
+    # the fit tokens asked for; their stacked inputs (K x hidden) need more tokens than that to be solved
+    nsamples = getattr(args, "nsamples", None)
+    if nsamples is None and args.taps == "auto":
+        nsamples = DEFAULT_NSAMPLES["cuda" if device.startswith("cuda") else "cpu"]
+    tokens = nsamples * args.seqlen if nsamples is not None and getattr(args, "seqlen", None) else None
     if args.taps == "auto":
         fits = (args.runtime == "nbl" and method == "attn-nbl" and not getattr(args, "whole_model", False)
                 and _architecture(source) in nbl_format.TAPS_ARCHITECTURES)
         cheap = device.startswith("cuda") or hidden is None or hidden <= AUTO_TAPS_CPU_MAX_WIDTH
-        return DEFAULT_TAPS if fits and cheap else 1
+        enough = tokens is None or hidden is None or tokens > DEFAULT_TAPS * hidden
+        return DEFAULT_TAPS if fits and cheap and enough else 1
     from nbl_gguf.calibration.calibrate import check_taps as check_calibration_taps
 
     check_calibration_taps(args)  # the count, the rank, the method, the streamed calibrator
     taps = int(args.taps)
     if taps < 2:
         return taps
+    if tokens is not None and hidden is not None and not getattr(args, "calibration", None) \
+            and tokens <= taps * hidden:
+        raise NblError(f"--taps {taps} stacks {taps} x {hidden} = {taps * hidden} inputs a layer, and --nsamples "
+                       f"{nsamples} x --seqlen {args.seqlen} is {tokens} tokens: fit on more than {taps * hidden} "
+                       f"tokens, or use --taps 1")
     if args.runtime == "stock":
         raise NblError(f"--taps {taps} writes taps layers, which keep the inputs of earlier tokens in a state per "
                        f"sequence: stock llama.cpp's deci layers cannot, so use --runtime nbl (the patched llama.cpp) "
