@@ -54,8 +54,8 @@ FLOAT_WEIGHT_TYPES = ("F32", "F16", "BF16")
 # matrix: q8_0 keeps W within about 0.5% at a quarter of F32's bytes; F16 when even its blocks do not fit
 FALLBACK_WEIGHT_TYPES = ("Q8_0", "F16")
 # W does a replaced attention's whole work in one matrix, so its rounding costs more than a projection's:
-# a 4-bit W (Q4_K, Q4_0, Q4_1, IQ4_*, and less) cost up to 1.4-1.7 points of held-out perplexity at
-# m = 8 on both our models, and 5 bits took it back to within 0.5 of Q8_0 (docs/results/nbl-type.md).
+# a 4-bit W (Q4_K, Q4_0, Q4_1, IQ4_*, and less) cost up to 1.4-2.5 points of held-out perplexity
+# against Q8_0 at m = 8 on both our models, and 5 bits took most of it back (docs/results/nbl-type.md).
 # Below MIN_WEIGHT_BITS per weight, W takes the first of RAISED_WEIGHT_TYPES that holds its rows.
 MIN_WEIGHT_BITS = 5.5
 RAISED_WEIGHT_TYPES = ("Q5_K", "Q5_0", "F16")
