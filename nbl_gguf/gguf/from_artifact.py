@@ -45,9 +45,8 @@ def check_taps(args, source, method: str, hidden: int | None = None, device: str
     K; 'auto' is DEFAULT_TAPS where the file can carry them and the calibration (on ``device``, width
     ``hidden``, its tokens) fits them cheaply, else 1 (with --calibration, convert takes the artifact's
     instead)."""
+    from nbl_gguf.calibration.calibrate import DEFAULT_NSAMPLES, check_taps as check_calibration_taps
     from nbl_gguf.gguf import nbl_format
-
-    from nbl_gguf.calibration.calibrate import DEFAULT_NSAMPLES
 
     # the fit tokens asked for; their stacked inputs (K x hidden) need more tokens than that to be solved
     nsamples = getattr(args, "nsamples", None)
@@ -60,8 +59,6 @@ def check_taps(args, source, method: str, hidden: int | None = None, device: str
         cheap = device.startswith("cuda") or hidden is None or hidden <= AUTO_TAPS_CPU_MAX_WIDTH
         enough = tokens is None or hidden is None or tokens > DEFAULT_TAPS * hidden
         return DEFAULT_TAPS if fits and cheap and enough else 1
-    from nbl_gguf.calibration.calibrate import check_taps as check_calibration_taps
-
     check_calibration_taps(args)  # the count, the rank, the method, the streamed calibrator
     taps = int(args.taps)
     if taps < 2:

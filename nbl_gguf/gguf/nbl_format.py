@@ -180,6 +180,11 @@ def weight_type_problem(name: str, n_embd: int) -> str | None:
     return None
 
 
+def first_holding(types: Sequence[str], n_embd: int) -> str:
+    """The first of ``types`` that can store an n_embd-wide W (or lag map)."""
+    return next(t for t in types if weight_type_problem(t, n_embd) is None)
+
+
 def bits_per_weight(name: str) -> float:
     import gguf
 
@@ -192,12 +197,10 @@ def default_weight_type(own: str, n_embd: int) -> WeightType:
     fallback where it cannot hold an n_embd x n_embd matrix; with the reason when it is not ``own``."""
     bits = bits_per_weight(own)
     if bits < MIN_WEIGHT_BITS:
-        raised = next(t for t in RAISED_WEIGHT_TYPES if weight_type_problem(t, n_embd) is None)
-        return WeightType(raised, own, f"has {bits:g} bits per weight, W at least {MIN_WEIGHT_BITS:g}")
+        return WeightType(first_holding(RAISED_WEIGHT_TYPES, n_embd), own, f"has {bits:g} bits per weight, W at least {MIN_WEIGHT_BITS:g}")
     problem = weight_type_problem(own, n_embd)
     if problem is not None:
-        fallback = next(t for t in FALLBACK_WEIGHT_TYPES if weight_type_problem(t, n_embd) is None)
-        return WeightType(fallback, own, f"cannot hold the {n_embd} x {n_embd} matrix: {problem}")
+        return WeightType(first_holding(FALLBACK_WEIGHT_TYPES, n_embd), own, f"cannot hold the {n_embd} x {n_embd} matrix: {problem}")
     return WeightType(own)
 
 
@@ -341,8 +344,7 @@ def taps_tensors(layer: int, taps_map, qtype) -> list:
             continue
         own = qtype
         if weight_type_problem(own.name, array.shape[1]) is not None:
-            own = gguf.GGMLQuantizationType[next(t for t in FALLBACK_WEIGHT_TYPES
-                                                 if weight_type_problem(t, array.shape[1]) is None)]
+            own = gguf.GGMLQuantizationType[first_holding(FALLBACK_WEIGHT_TYPES, array.shape[1])]
         out.append((pattern.format(layer=layer), quantize_weight(array, own), own))
     return out
 
