@@ -161,12 +161,12 @@ def test_convert_end_to_end_is_deterministic(tiny_hf, tmp_path):
 
     stages = summary.resources
     assert list(stages)[:2] == ["calibrate", "calibrate: load_model"] and "calibrate: layers" in stages
-    assert {"stock conversion", "NBL rewrite", "imatrix", "quantize stock", "quantize NBL"} <= set(stages)
+    assert {"stock conversion", "imatrix", "quantize stock", "NBL surgery"} <= set(stages)
     assert all(r["wall_s"] >= 0 and r["peak_rss_bytes"] > 50 << 20 for r in stages.values())
-    assert stages["calibrate: layers"]["wall_s"] > 0 and stages["quantize NBL"]["wall_s"] > 0
+    assert stages["calibrate: layers"]["wall_s"] > 0 and stages["quantize stock"]["wall_s"] > 0
     assert stages["calibrate"]["peak_rss_bytes"] >= stages["calibrate: layers"]["peak_rss_bytes"]
     assert stages["calibrate"]["wall_s"] >= stages["calibrate: layers"]["wall_s"]
-    assert set(stages["quantize NBL"]["tools_peak_rss_bytes"]) == {"llama-quantize"}
+    assert set(stages["quantize stock"]["tools_peak_rss_bytes"]) == {"llama-quantize"}
     assert set(stages["stock conversion"]["tools_peak_rss_bytes"]) == {"convert_hf_to_gguf.py"}
     assert stages["imatrix"]["tools_peak_rss_bytes"]["llama-imatrix"] > 1 << 20
     rendered = resources_table(stages)
@@ -332,7 +332,7 @@ def test_convert_quantize_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_pat
 
     def failing(name, args, **kwargs):
         calls.append(name)
-        if len(calls) == 2:  # the NBL quantization, after the stock one
+        if name == "llama-quantize":  # the stock file's quantization, half-written
             Path(args[-2]).write_bytes(b"partial")
             raise NblError("llama-quantize failed (exit 1): simulated")
         return real(name, args, **kwargs)
@@ -341,7 +341,7 @@ def test_convert_quantize_failure_leaves_nothing(tiny_hf, tiny_artifact, tmp_pat
     out = tmp_path / "model.gguf"
     with pytest.raises(NblError, match="simulated"):
         convert(convert_args(model=str(tiny_hf), calibration=str(tiny_artifact), m=2, quant="q8_0", output=str(out)))
-    assert listing(tmp_path) == set()
+    assert calls == ["llama-quantize"] and listing(tmp_path) == set()
 
 
 def test_convert_bad_inputs(tiny_hf, tmp_path, capsys):
@@ -489,8 +489,9 @@ def test_the_stock_conversion_keeps_a_16_bit_checkpoint_in_16_bits(tmp_path):
 
 
 def test_convert_refuses_a_disk_too_small_for_the_intermediate_files(tiny_hf, tmp_path, monkeypatch):
-    """The stock and NBL intermediates (here f32, the checkpoint's type) must fit side by side in -o's
-    folder: less free space is an error before the calibration, naming what is needed and where."""
+    """The stock conversion (here f32, the checkpoint's type) and its quantized copy (at most 8.5 bits a
+    weight), or for a float output the stock and NBL files, must fit side by side in -o's folder: less
+    free space is an error before the calibration, naming what is needed and where."""
     import collections
 
     from safetensors import safe_open
@@ -502,9 +503,10 @@ def test_convert_refuses_a_disk_too_small_for_the_intermediate_files(tiny_hf, tm
     for path in tiny_hf.glob("*.safetensors"):
         with safe_open(str(path), framework="numpy") as handle:
             elements += sum(handle.get_tensor(name).size for name in handle.keys())
-    needed = 2 * 4 * elements
+    needed = 4 * elements + int(elements * 8.5 / 8)
     assert hf_to_gguf.check_conversion_space(tiny_hf, "f32", tmp_path) == needed
-    assert hf_to_gguf.check_conversion_space(tiny_hf, "bf16", tmp_path) == needed // 2
+    assert hf_to_gguf.check_conversion_space(tiny_hf, "bf16", tmp_path) == 2 * elements + int(elements * 8.5 / 8)
+    assert hf_to_gguf.check_conversion_space(tiny_hf, "f16", tmp_path, quantized=False) == 2 * 2 * elements
 
     usage = collections.namedtuple("usage", "total used free")
     free = {"bytes": needed - 1}
@@ -512,7 +514,7 @@ def test_convert_refuses_a_disk_too_small_for_the_intermediate_files(tiny_hf, tm
     out = tmp_path / "out" / "model.gguf"
     (tmp_path / "out").mkdir()
     with pytest.raises(NblError, match=rf"converting {tiny_hf.name} needs at least \d+\.\d GiB free in "
-                                       rf"{re.escape(str(out.parent))} for the stock and NBL files in f32"):
+                                       rf"{re.escape(str(out.parent))} for the stock file in f32 and its quantized copy"):
         convert(convert_args(model=str(tiny_hf), m=2, quant="q8_0", output=str(out)))
     assert listing(tmp_path / "out") == set()
     free["bytes"] = needed

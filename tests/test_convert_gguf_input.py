@@ -282,30 +282,50 @@ def test_weight_type_follows_attn_output_raised_to_5_bits_or_falls_back(tmp_path
         assert nbl_format.default_weight_type(kept, 4096) == nbl_format.WeightType(kept)
 
 
-def test_llama_quantize_gives_the_nbl_tensors_their_weight_type(tmp_path):
-    """tensor_type_overrides through the real llama-quantize: each layer's W in the type asked for, the
-    rest of the file in the q4_k_m mix."""
+def test_w_takes_the_importance_matrix_as_llama_quantize_reads_it(tmp_path):
+    """With --imatrix, W is quantized with the column weights of its layer's attn_q (the same input).
+    Reference: llama-quantize itself, given the same imatrix file, quantizing attn_q to Q5_K: our
+    imatrix_columns + ggml quantizer must give its bytes, and differ from the unweighted quantization."""
     import gguf
 
     from nbl_gguf.fixtures.tiny import TinyLlama
-    from nbl_gguf.gguf.from_artifact import quantized_weight_names
-    from nbl_gguf.gguf.quantize import quantize
+    from nbl_gguf.gguf.quantize import imatrix_columns, quantize
+    from nbl_gguf.llamacpp import ggml
 
-    tiny = TinyLlama(n_layer=4, n_embd=256, n_ff=512)
-    source = tiny.write_nbl_gguf(tmp_path / "nbl-f32.gguf", [1, 0, 1, 1], tiny.random_linear([0, 2, 3]))
-    wanted = {0: "Q5_K", 2: "Q8_0", 3: "Q5_K"}
-    overrides = nbl_format.tensor_type_overrides({i: nbl_format.WeightType(t) for i, t in wanted.items()},
-                                                 quantized_weight_names("nbl"))
-    assert overrides == ["--tensor-type", r"^(blk\.0\.attn_nbl\.weight|blk\.0\.attn_nbl_lag\.weight|"
-                         r"blk\.0\.attn_nbl_lag_down\.weight|blk\.0\.attn_nbl_lag_up\.weight|blk\.3\.attn_nbl\.weight|"
-                         r"blk\.3\.attn_nbl_lag\.weight|blk\.3\.attn_nbl_lag_down\.weight|blk\.3\.attn_nbl_lag_up\.weight)$=q5_k",
-                         "--tensor-type", r"^(blk\.2\.attn_nbl\.weight|blk\.2\.attn_nbl_lag\.weight|"
-                         r"blk\.2\.attn_nbl_lag_down\.weight|blk\.2\.attn_nbl_lag_up\.weight)$=q8_0"]
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(
-        quantize(source, tmp_path / "nbl-q4_k_m.gguf", "q4_k_m", extra_args=overrides)).tensors}
-    assert {layer: types[f"blk.{layer}.attn_nbl.weight"] for layer in wanted} == wanted
-    assert types["blk.1.attn_output.weight"] == "Q4_K" and types["blk.1.attn_q.weight"] == "Q4_K"
-    assert types["blk.0.attn_nbl.bias"] == "F32"
+    tiny = TinyLlama(n_layer=2, n_embd=256, n_ff=512)
+    stock = tiny.write_gguf(tmp_path / "stock-f32.gguf")
+    rng = np.random.default_rng(5)
+    imatrix = tmp_path / "imatrix.gguf"
+    writer = gguf.GGUFWriter(imatrix, arch="imatrix")
+    writer.add_array("imatrix.datasets", ["test"])
+    writer.add_uint32("imatrix.chunk_count", 3)
+    writer.add_uint32("imatrix.chunk_size", 512)
+    for layer in range(2):
+        for stem in ("attn_q", "attn_k", "attn_v"):
+            # squared activations summed over 37 tokens: a wide spread, so the weighting shows
+            sums = (rng.standard_normal(256) * np.exp(rng.uniform(-3, 3, 256))) ** 2 * 37
+            writer.add_tensor(f"blk.{layer}.{stem}.weight.in_sum2", sums.astype(np.float32).reshape(1, 256))
+            writer.add_tensor(f"blk.{layer}.{stem}.weight.counts", np.array([[37.0]], np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    quantized = quantize(stock, tmp_path / "stock-q5_k.gguf", "q8_0", imatrix=imatrix,
+                         extra_args=["--tensor-type", "attn_q=q5_k"])
+    reference = {t.name: t for t in gguf.GGUFReader(quantized).tensors}["blk.1.attn_q.weight"]
+    assert reference.tensor_type.name == "Q5_K"
+    weight = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(stock).tensors}["blk.1.attn_q.weight"]
+    columns = imatrix_columns(imatrix, ["blk.1.attn_q.weight"])
+    q5_k = int(gguf.GGMLQuantizationType.Q5_K)
+    ours = ggml.quantize(weight, q5_k, "Q5_K", columns)
+    assert ours.tobytes() == np.asarray(reference.data).tobytes()
+    assert ggml.quantize(weight, q5_k, "Q5_K").tobytes() != ours.tobytes()
+    # the NBL weight of layer 1 takes attn_q's columns; a fused attn_qkv or no entry at all is looked up too
+    layers = nbl_format.NblLayers(types=[0, 1], linear=tiny.random_linear([1]), method="attn-nbl")
+    typed = nbl_format.weight_types(quantized, layers, "q5_k", imatrix=imatrix)
+    np.testing.assert_array_equal(typed[1].importance, columns)
+    assert imatrix_columns(imatrix, ["blk.1.attn_qkv.weight"]) is None
 
 
 # --- the embedded SmolLM2 Q4_1 GGUF through convert ---------------------------------------------
@@ -458,8 +478,6 @@ def test_options_that_mean_nothing_for_a_gguf(embedded_gguf, tmp_path, capsys):
         convert(convert_args(model=str(embedded_gguf), imatrix=True, output=str(output)))
     with pytest.raises(NblError, match="--intermediate f16 means nothing for a GGUF --model: no stock conversion"):
         convert(convert_args(model=str(embedded_gguf), intermediate="f16", output=str(output)))
-    with pytest.raises(NblError, match="--nbl-type goes with a GGUF --model"):
-        convert(convert_args(nbl_type="q8_0", output=str(output)))
     with pytest.raises(NblError, match="-o .* is the --model file itself"):
         convert(convert_args(model=str(embedded_gguf), output=str(embedded_gguf)))
     assert cli.main(["convert", "--model", str(embedded_gguf), "--quant", "q4_k_m", "-o", str(output)]) == 2

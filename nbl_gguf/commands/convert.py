@@ -1,10 +1,11 @@
 """`convert`: HF model or GGUF file -> NBL GGUF in one command.
 
     HF model:   calibrate (or reuse --calibration)  ->  stock GGUF by the pinned llama.cpp converter
-                (F32/F16)  ->  NBL rewrite (selected layers: attn-nbl = W x + b, attn-drop = nothing)
-                ->  llama-quantize
+                (F32/F16/BF16)  ->  [llama-imatrix]  ->  llama-quantize of the stock file  ->  NBL surgery
+                on the quantized stock file, as for a GGUF file
     GGUF file:  calibrate on the model transformers dequantizes from it  ->  NBL surgery on the file
-                itself (every other tensor keeps its bytes and type; W in --nbl-type)
+                itself (selected layers: attn-nbl = W x + b, attn-drop = nothing; every other tensor keeps
+                its bytes and type; W in --nbl-type)
 
 Intermediate files live in a temp dir; the output appears only once complete (temp then rename),
 so an interrupted or failed run leaves no partial GGUF. The same inputs and seed give the same bytes.
@@ -27,7 +28,7 @@ from nbl_gguf.commands import flags
 from nbl_gguf.commands.convert_summary import Summary, resources_table
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf.from_artifact import (RUNTIMES, check_method, check_stock_runtime, check_taps, chosen_layers,
-                                         gguf_notes, linear_map, provenance, quantized_weight_names, recorded_scores,
+                                         gguf_notes, linear_map, provenance, recorded_scores,
                                          taps_maps, weight_notes, writer)
 from nbl_gguf.gguf.quantize import FLOAT_TYPES, check_quant
 from nbl_gguf.outputs import check_output_dir, check_output_file
@@ -51,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output type of a HF model: any llama-quantize type (q4_k_m, q5_k_m, q8_0, ...) or "
                              f"f32/f16/bf16 (default: {DEFAULT_QUANT}); a GGUF --model keeps its own types")
     parser.add_argument("--nbl-type", default=None, metavar="TYPE",
-                        help="GGUF --model only: ggml type of the NBL weights (q8_0, q4_k, f16, ...; default: the type "
-                             "of each replaced layer's attn_output, q8_0 where that cannot hold an n_embd x n_embd matrix)")
+                        help="ggml type of the NBL weights (q8_0, q5_k, f16, ...; default: the type of each replaced "
+                             "layer's attn_output in the (quantized) stock file, raised to at least 5.5 bits per weight)")
     parser.add_argument("--runtime", default="nbl", choices=list(RUNTIMES),
                         help="nbl (default): the NBL layout, W x + b, for the patched llama.cpp; stock: llama.cpp's "
                              "deci architecture with bias-free maps, which unmodified builds run (llama, mistral)")
@@ -89,14 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # --- inputs ------------------------------------------------------------------------------------
 
-def resolve_source(args, method: str):
+def resolve_source(args):
     """--model as a ModelSource, with the options that only one kind of input takes checked first."""
     from nbl_gguf.gguf import nbl_format
     from nbl_gguf.model_source import is_gguf_file, resolve_model
 
     if not is_gguf_file(args.model):
-        if args.nbl_type is not None:
-            raise NblError("--nbl-type goes with a GGUF --model (a HF model's NBL weights take --quant's types)")
         check_quant(args.quant or DEFAULT_QUANT)  # before a hub download
         return resolve_model(args.model)
     if args.quant is not None:
@@ -108,10 +107,7 @@ def resolve_source(args, method: str):
     if args.intermediate is not None:
         raise NblError(f"--intermediate {args.intermediate} means nothing for a GGUF --model: no stock conversion is "
                        f"made (the NBL file is {Path(args.model).name} itself with the replaced attention swapped)")
-    source = resolve_model(args.model, runnable=nbl_format.SUPPORTED_ARCHITECTURES, calibrating=not args.calibration)
-    if args.nbl_type is not None and method == "attn-nbl":
-        nbl_format.parse_weight_type(args.nbl_type, source.gguf.n_embd)
-    return source
+    return resolve_model(args.model, runnable=nbl_format.SUPPORTED_ARCHITECTURES, calibrating=not args.calibration)
 
 
 def calibration_settings(args, directory: Path, model, taps: int) -> Settings:
@@ -200,7 +196,7 @@ def convert(args) -> Summary:
             raise NblError(f"--save-calibration keeps the calibration that this run makes; with --calibration "
                            f"{args.calibration} it makes none")
         check_output_dir(args.save_calibration, "--save-calibration", renamed_into_place=True)
-    source = resolve_source(args, method)
+    source = resolve_source(args)
     if source.gguf is not None:
         if output.resolve() == source.gguf.path.resolve():
             raise NblError(f"-o {output} is the --model file itself: the NBL file must go elsewhere")
@@ -221,7 +217,9 @@ def convert(args) -> Summary:
     taps = check_taps(args, source, method, hidden, device)
     if source.gguf is None:
         check_conversion_space(source.hf_folder(), intermediate_type(args, quant, source.hf_folder()),
-                               output.resolve().parent)
+                               output.resolve().parent, quantized=quant not in FLOAT_TYPES)
+    if args.nbl_type is not None and method == "attn-nbl":
+        nbl_format.parse_weight_type(args.nbl_type, hidden)
     m, _ = selection_budget(args.m, args.max_ppl_increase)
     if m is not None and not 0 <= m <= n_layer:
         raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
@@ -231,12 +229,11 @@ def convert(args) -> Summary:
         raise NblError(f"--eval-chunks must be at least 1, got {args.eval_chunks}")
 
     steps = ["calibrate" if not args.calibration else "load calibration"]
-    if source.gguf is not None:
-        steps.append("NBL surgery")
-    else:
-        steps += ["stock conversion", "NBL rewrite"]
+    if source.gguf is None:
+        steps.append("stock conversion")
         if quant not in FLOAT_TYPES:
-            steps += (["imatrix"] if args.imatrix else []) + ["quantize stock", "quantize NBL"]
+            steps += (["imatrix"] if args.imatrix else []) + ["quantize stock"]
+    steps.append("NBL surgery")
     if not args.no_eval:
         steps.append("held-out perplexity")
     progress = tqdm(total=len(steps), desc="convert", unit="step", disable=args.no_progress, file=sys.stderr)
@@ -283,46 +280,35 @@ def convert(args) -> Summary:
             # the calibration's own stages, measured inside it (layers, selection, ...)
             meter.merge(artifact.report.get("resources", {}), prefix="calibrate: ")
 
-        notes = []
+        imatrix = None
         if source.gguf is not None:
-            # 2. surgery on the user's own file: it is the stock file of the comparison
-            with stage("NBL surgery"):
-                weights = nbl_format.weight_types(source.gguf.path, layers, args.nbl_type)
-                writer(args.runtime)(source.gguf.path, output, layers, weight_type=weights)
-                stock_final = source.gguf.path
-                notes = gguf_notes(source.gguf, weights, args.nbl_type, args.runtime)
+            stock_final = source.gguf.path  # the user's own file is the stock file of the comparison
         else:
-            # 2. stock conversion
+            # 2. the stock conversion, quantized before the surgery: the NBL file keeps the stock file's tensor
+            # types, as for a GGUF --model, and only one float file is ever on disk
             model_dir = source.hf_folder()
             intermediate = intermediate_type(args, quant, model_dir)
-            with stage(steps[1]):
-                stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
-
-            # 3. NBL rewrite
-            final_float = quant in FLOAT_TYPES
-            nbl_path = output if final_float else tmp / f"nbl-{intermediate}.gguf"
-            with stage(steps[2]):
-                writer(args.runtime)(stock, nbl_path, layers, weight_type=intermediate.upper())
-
-            # 4. quantization of both (the stock one only for the size comparison)
-            if final_float:
-                stock_final = stock
-            else:
-                imatrix = None
+            with stage("stock conversion"):
+                stock_final = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
+            if quant not in FLOAT_TYPES:
+                stock_float = stock_final
                 if args.imatrix:
                     with stage("imatrix"):
                         ctx = imatrix_context(artifact)
-                        imatrix = compute_imatrix(nbl_path, calibration_texts(args, artifact, ctx),
+                        imatrix = compute_imatrix(stock_float, calibration_texts(args, artifact, ctx),
                                                   tmp / "imatrix.gguf", ctx=ctx, chunks=args.imatrix_chunks,
                                                   threads=args.threads, seed=args.seed)
                 with stage("quantize stock"):
-                    stock_final = quantize(stock, tmp / f"stock-{quant}.gguf", quant, threads=args.threads)
-                with stage("quantize NBL"):
-                    # W's type from the quantized stock file's attn_output, as for a GGUF --model
-                    weights = nbl_format.weight_types(stock_final, layers)
-                    overrides = nbl_format.tensor_type_overrides(weights, quantized_weight_names(args.runtime))
-                    quantize(nbl_path, output, quant, imatrix=imatrix, threads=args.threads, extra_args=overrides)
-                    notes = weight_notes(weights)
+                    stock_final = quantize(stock_float, tmp / f"stock-{quant}.gguf", quant, imatrix=imatrix,
+                                           threads=args.threads)
+                stock_float.unlink()
+
+        # 3. the surgery: the replaced layers' attention out, their maps in
+        with stage("NBL surgery"):
+            weights = nbl_format.weight_types(stock_final, layers, args.nbl_type, imatrix=imatrix)
+            writer(args.runtime)(stock_final, output, layers, weight_type=weights)
+            notes = gguf_notes(source.gguf, weights, args.nbl_type, args.runtime) if source.gguf is not None \
+                else weight_notes(weights, args.nbl_type)
         heldout = None
         if not args.no_eval:
             with stage("held-out perplexity"):

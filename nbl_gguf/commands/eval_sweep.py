@@ -85,8 +85,7 @@ def run_sweep(args) -> int:
     def kv(config: Config) -> tuple[int, int]:
         return kv_bytes_per_token(stock_reader, [0 if i not in config.layers else 1 for i in range(n_layer)])
 
-    # 1. GGUF evaluations through llama-perplexity (and llama-bench), one configuration at a time so
-    #    that its F32 intermediate can go once all its types are quantized
+    # 1. GGUF evaluations through llama-perplexity (and llama-bench)
     jobs: dict[str, tuple[Config, list[str]]] = {}
     for config in main:
         if config.gguf:
@@ -113,7 +112,6 @@ def run_sweep(args) -> int:
                 cached["file_bytes"] = path.stat().st_size
                 cache.put(key, cached)
             results[(config.key, quant)] = dict(cached)
-        factory.drop_intermediates(config)
 
     # speed: each GGUF in one llama-bench process with its baseline, back to back, so that the ratio
     # sees the same machine load (timings on a shared CPU drift by tens of percent over minutes)

@@ -178,15 +178,6 @@ def weight_notes(weights: dict, requested: str | None = None) -> list[str]:
     return notes
 
 
-def quantized_weight_names(runtime: str) -> tuple[str, ...]:
-    """The tensors of a replaced layer that take W's type (nbl_format.weight_types) when llama-quantize
-    quantizes an NBL file of ``runtime``: W and a taps layer's lag maps (not its F32 per-channel taps)."""
-    from nbl_gguf.gguf import nbl_format
-
-    lags = tuple(pattern for name, pattern in nbl_format.TAPS_TENSORS.items() if name != "conv")
-    return {"nbl": (nbl_format.NBL_WEIGHT, *lags), "stock": ("blk.{layer}.attn_output.weight",)}[runtime]
-
-
 def llama_cpp_commit() -> str | None:
     from nbl_gguf.llamacpp.tools import REPO_ROOT
 

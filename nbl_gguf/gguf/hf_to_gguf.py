@@ -130,6 +130,7 @@ def default_intermediate(model_dir: Path) -> str:
 
 
 OUTTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+QUANTIZED_BITS_BOUND = 8.5
 
 
 def conversion_bytes(model_dir: Path, outtype: str) -> int:
@@ -146,14 +147,18 @@ def conversion_bytes(model_dir: Path, outtype: str) -> int:
     return total
 
 
-def check_conversion_space(model_dir: Path, outtype: str, folder: Path) -> int:
-    """The stock conversion writes two intermediate files side by side (the stock model and its NBL
-    rewrite, both in ``outtype``) before anything is quantized: refuse before the calibration when
-    ``folder``'s disk cannot hold them, rather than let llama-quantize fail on a full disk an hour in."""
-    needed = 2 * conversion_bytes(model_dir, outtype)
+def check_conversion_space(model_dir: Path, outtype: str, folder: Path, quantized: bool = True) -> int:
+    """The stock conversion (in ``outtype``) is on disk beside its quantized copy until that is made, and
+    the NBL file beside the stock file after it; for a float output both are ``outtype`` files. Refuse
+    before the calibration when ``folder``'s disk cannot hold them, rather than let llama-quantize fail
+    on a full disk an hour in. Returns the bytes needed."""
+    conversion = conversion_bytes(model_dir, outtype)
+    # a quantized file is at most q8_0's 8.5 bits per weight (the largest llama-quantize type short of f16)
+    second = int(conversion_bytes(model_dir, "f32") * QUANTIZED_BITS_BOUND / 32) if quantized else conversion
+    needed = conversion + second
     free = shutil.disk_usage(folder).free
     if needed > free:
-        raise NblError(f"converting {model_dir.name} needs at least {needed / 2**30:.1f} GiB free in {folder} for the "
-                       f"stock and NBL files in {outtype} before they are quantized; {free / 2**30:.1f} GiB are free "
-                       f"(free some space, or write -o to a larger disk)")
+        what = f"the stock file in {outtype} and its quantized copy" if quantized else f"the stock and NBL files in {outtype}"
+        raise NblError(f"converting {model_dir.name} needs at least {needed / 2**30:.1f} GiB free in {folder} for "
+                       f"{what}; {free / 2**30:.1f} GiB are free (free some space, or write -o to a larger disk)")
     return needed

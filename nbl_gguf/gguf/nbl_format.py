@@ -34,6 +34,8 @@ CALIBRATION_KEY = "nbl.calibration"
 
 NBL_WEIGHT = "blk.{layer}.attn_nbl.weight"
 NBL_BIAS = "blk.{layer}.attn_nbl.bias"
+# the stock tensors that read a layer's attn_norm output, as W does: their importance matrix is W's
+IMATRIX_SOURCES = ("blk.{layer}.attn_q.weight", "blk.{layer}.attn_qkv.weight")
 # a taps layer's maps of the earlier inputs (calibration.taps.TapsMap: the attribute of the same name)
 TAPS_TENSORS = {
     "lag": "blk.{layer}.attn_nbl_lag.weight",  # [d, (K-1) d] on the K-1 earlier inputs, oldest first
@@ -155,11 +157,13 @@ def atomic_output(path: Path):
 
 @dataclass(frozen=True)
 class WeightType:
-    """The ggml type of one layer's W, and why it is not its attn_output's type when it is not."""
+    """The ggml type of one layer's W, why it is not its attn_output's type when it is not, and the
+    importance matrix's column weights it is quantized with, if any."""
 
     name: str  # gguf.GGMLQuantizationType name: Q4_K, Q8_0, F16, ...
     instead_of: str | None = None
     reason: str | None = None
+    importance: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 def weight_type_problem(name: str, n_embd: int) -> str | None:
@@ -224,10 +228,22 @@ def parse_weight_type(text: str, n_embd: int) -> str:
     return name
 
 
-def weight_types(src, layers: NblLayers, requested: str | None = None) -> dict[int, WeightType]:
+def weight_types(src, layers: NblLayers, requested: str | None = None,
+                 imatrix: str | Path | None = None) -> dict[int, WeightType]:
     """W's type for each linear layer of ``layers`` written into ``src`` (a path or an open GGUFReader):
-    ``requested`` for all, or by default from the type of that layer's attn_output (default_weight_type)."""
+    ``requested`` for all, or by default from the type of that layer's attn_output (default_weight_type).
+    With ``imatrix`` (llama-imatrix's GGUF, of the stock model), W is quantized with the column weights of
+    its layer's attn_q (IMATRIX_SOURCES)."""
+    import dataclasses
+
     import gguf
+
+    if imatrix is not None:
+        from nbl_gguf.gguf.quantize import imatrix_columns
+
+        typed = weight_types(src, layers, requested)
+        return {layer: dataclasses.replace(weight, importance=imatrix_columns(imatrix, [name.format(layer=layer) for name in IMATRIX_SOURCES]))
+                for layer, weight in typed.items()}
 
     reader = src if isinstance(src, gguf.GGUFReader) else gguf.GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())
@@ -238,21 +254,6 @@ def weight_types(src, layers: NblLayers, requested: str | None = None) -> dict[i
         return {layer: WeightType(name) for layer in mapped}
     attn_output = {layer_of(t.name): t.tensor_type.name for t in reader.tensors if t.name.endswith(".attn_output.weight")}
     return {layer: default_weight_type(attn_output.get(layer, "F32"), n_embd) for layer in mapped}
-
-
-def tensor_type_overrides(weights: Mapping[int, WeightType], names: Sequence[str]) -> list[str]:
-    """llama-quantize arguments that give each layer's NBL tensors (``names``: patterns with {layer},
-    such as NBL_WEIGHT) the type in ``weights``: one --tensor-type regex per type."""
-    import re
-
-    by_type: dict[str, list[int]] = {}
-    for layer, weight in sorted(weights.items()):
-        by_type.setdefault(weight.name, []).append(layer)
-    args = []
-    for name, layers in by_type.items():
-        tensors = "|".join(re.escape(pattern.format(layer=layer)) for layer in layers for pattern in names)
-        args += ["--tensor-type", f"^({tensors})$={name.lower()}"]
-    return args
 
 
 def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
@@ -299,7 +300,7 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
                 weight, bias = layers.linear[layer] if layers.types[layer] == LINEAR else \
                     (layers.taps[layer].weight, layers.taps[layer].bias)
                 qtype = gguf.GGMLQuantizationType[types[layer].name]
-                tensors.append((NBL_WEIGHT.format(layer=layer), quantize_weight(weight, qtype), qtype))
+                tensors.append((NBL_WEIGHT.format(layer=layer), quantize_weight(weight, qtype, types[layer].importance), qtype))
                 tensors.append((NBL_BIAS.format(layer=layer), np.asarray(bias, np.float32), gguf.GGMLQuantizationType.F32))
                 if layers.types[layer] == TAPS:
                     tensors.extend(taps_tensors(layer, layers.taps[layer], qtype))
@@ -415,8 +416,9 @@ def drop_pages(reader, array: np.ndarray) -> None:
     handle.madvise(mmap.MADV_DONTNEED, first, length)
 
 
-def quantize_weight(weight: np.ndarray, qtype) -> np.ndarray:
-    """W as stored: float types by gguf-py, the others by ggml's quantizers (as llama-quantize does)."""
+def quantize_weight(weight: np.ndarray, qtype, importance: np.ndarray | None = None) -> np.ndarray:
+    """W as stored: float types by gguf-py, the others by ggml's quantizers (as llama-quantize does,
+    with ``importance``'s column weights when given)."""
     import gguf
 
     weight = np.ascontiguousarray(weight, dtype=np.float32)
@@ -424,7 +426,7 @@ def quantize_weight(weight: np.ndarray, qtype) -> np.ndarray:
         return gguf.quants.quantize(weight, qtype)
     from nbl_gguf.llamacpp import ggml
 
-    return ggml.quantize(weight, int(qtype), qtype.name)
+    return ggml.quantize(weight, int(qtype), qtype.name, importance)
 
 
 def layer_of(name: str) -> int | None:

@@ -122,3 +122,25 @@ def compute_imatrix(model: str | os.PathLike, texts: Iterable[str] | str, output
     finally:
         tmp_out.unlink(missing_ok=True)
     return output
+
+
+def imatrix_columns(imatrix: str | os.PathLike, names: Iterable[str]):
+    """The column weights llama-quantize takes from ``imatrix`` (llama-imatrix's GGUF) for the first of
+    ``names`` it has: the summed squared activations over their count, float32 [n_per_row]; None when it
+    has none of them."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(imatrix)
+    tensors = {t.name: t for t in reader.tensors}
+    for name in names:
+        sums, counts = tensors.get(f"{name}.in_sum2"), tensors.get(f"{name}.counts")
+        if sums is None or counts is None:
+            continue
+        if sums.data.ndim != 1 and sums.data.shape[0] != 1 or np.asarray(counts.data).size != 1:
+            raise NblError(f"{imatrix}: {name} has per-expert data; an NBL weight takes one row")
+        count = float(np.asarray(counts.data).reshape(-1)[0])
+        sums = np.asarray(sums.data, dtype=np.float32).reshape(-1)
+        # llama-quantize's rule for an entry that saw no tokens: all ones
+        return sums / count if count > 0 else np.ones_like(sums)
+    return None

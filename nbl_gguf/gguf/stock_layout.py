@@ -175,7 +175,8 @@ def write_stock_gguf(src: str | os.PathLike, dst: str | os.PathLike, layers: Nbl
                                   or (tensor.name.startswith(f"blk.{layer}.attn_norm.") and not KEPT_ATTENTION_NORM[kind])):
             # W takes the place of the first attention tensor, keeping the file's order
             if kind == LINEAR and layer not in emitted:
-                data = quantize_weight(weights[layer], qtypes[layer])
+                importance = weight_type[layer].importance if isinstance(weight_type, Mapping) and layer in weight_type else None
+                data = quantize_weight(weights[layer], qtypes[layer], importance)
                 tensors.append((f"blk.{layer}.attn_output.weight", data, qtypes[layer]))
             emitted.add(layer)
             continue

@@ -2,7 +2,7 @@
 
 gguf-py quantizes to a handful of types; ``ggml_quantize_chunk`` covers them all (k-quants, i-quants),
 so an NBL weight joins a quantized GGUF in the type of its neighbours, quantized as llama-quantize
-would (without an importance matrix). Types are ggml's enum values (gguf.GGMLQuantizationType).
+would (with an importance matrix's column weights when given). Types are ggml's enum values (gguf.GGMLQuantizationType).
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def row_size(type_id: int, n_per_row: int) -> int:
     return int(library().ggml_row_size(int(type_id), int(n_per_row)))
 
 
-def quantize(matrix: np.ndarray, type_id: int, type_name: str) -> np.ndarray:
+def quantize(matrix: np.ndarray, type_id: int, type_name: str, importance: np.ndarray | None = None) -> np.ndarray:
     """The rows of ``matrix`` [rows, n_per_row] in ggml type ``type_id``: uint8 [rows, row bytes], the
-    bytes a GGUF stores. ``type_name`` (gguf-py's name of the type) guards the call."""
+    bytes a GGUF stores. ``type_name`` (gguf-py's name of the type) guards the call. ``importance``:
+    one weight per column (an importance matrix's mean squared activation), as llama-quantize passes."""
     if type_name not in QUANTIZERS:
         raise NblError(f"ggml has no quantizer for {type_name}")
     if type_name in NEEDS_IMATRIX or library().ggml_quantize_requires_imatrix(int(type_id)):
@@ -70,8 +71,14 @@ def quantize(matrix: np.ndarray, type_id: int, type_name: str) -> np.ndarray:
     rows, n_per_row = src.shape
     if n_per_row % block_size(type_id):
         raise NblError(f"rows of {n_per_row} are not a multiple of {type_name}'s blocks of {block_size(type_id)}")
+    weights = None
+    if importance is not None:
+        weights = np.ascontiguousarray(importance, dtype=np.float32)
+        if weights.shape != (n_per_row,):
+            raise NblError(f"importance of shape {weights.shape} for rows of {n_per_row}")
     dst = np.empty((rows, row_size(type_id, n_per_row)), dtype=np.uint8)
-    written = library().ggml_quantize_chunk(int(type_id), src.ctypes.data, dst.ctypes.data, 0, rows, n_per_row, None)
+    written = library().ggml_quantize_chunk(int(type_id), src.ctypes.data, dst.ctypes.data, 0, rows, n_per_row,
+                                            None if weights is None else weights.ctypes.data)
     if written != dst.nbytes:
         raise NblError(f"ggml_quantize_chunk wrote {written} bytes for {type_name}, expected {dst.nbytes}")
     return dst

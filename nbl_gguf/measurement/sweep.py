@@ -3,9 +3,9 @@ Attn DROP-m (GGUF, through llama.cpp, and PyTorch float32) vs Block NBL-m (PyTor
 format has no block-level type), for a list of m.
 
 One calibration artifact serves every configuration. The stock model is converted to an F32 GGUF
-once; each configuration is the NBL rewrite of it (nbl_format.write_nbl_gguf, as `convert` does),
-quantized with llama-quantize. A GGUF --model is its own stock file and each configuration the NBL
-surgery on it (its own types; the NBL weights in their attn_output's type, as `convert` does). Results are cached in the work dir under a key of everything that
+once and quantized once per type; each configuration is the NBL surgery on the stock file of its type
+(nbl_format.write_nbl_gguf: the stock tensor types, the NBL weights in their attn_output's type raised
+to 5.5 bits, as `convert` does). A GGUF --model is its own stock file. Results are cached in the work dir under a key of everything that
 determines them, so an interrupted sweep resumes where it stopped. The tables, CSV and plot are written by sweep_report.
 """
 
@@ -208,9 +208,8 @@ def build_configs(artifact, args, n_layer: int, best: dict | None = None) -> tup
 # --- GGUFs ----------------------------------------------------------------------------------------
 
 class GgufFactory:
-    """Stock F32 conversion once; per configuration the NBL rewrite and llama-quantize. Given a GGUF
-    file (``gguf``, a model_source.GgufFile), that file is the stock and each configuration is the
-    surgery on it."""
+    """Stock F32 conversion once, quantized once per type; per configuration the NBL surgery on the stock
+    file of its type. Given a GGUF file (``gguf``, a model_source.GgufFile), that file is the stock."""
 
     def __init__(self, source, artifact, directory: Path, threads: int | None):
         self.source = source  # model_source.ModelSource
@@ -234,40 +233,34 @@ class GgufFactory:
         return self._stock
 
     def path(self, config: Config, quant: str) -> Path:
+        """The GGUF of ``config`` in ``quant``, made as `convert` makes it: the stock file in that type
+        (llama-quantize of the F32 conversion, or the GGUF --model itself), then the NBL surgery on it."""
         from nbl_gguf.gguf import nbl_format
         from nbl_gguf.gguf.from_artifact import provenance
         from nbl_gguf.gguf.quantize import quantize
 
-        target = self.directory / f"{config.key}-{quant.lower()}.gguf"
-        if config.method == "baseline" and self.gguf is not None:
-            return self.stock
-        if target.is_file():
-            return target
-        if config.method == "baseline":
-            source = self.stock
+        if self.gguf is not None or quant.upper() == "F32":
+            stock = self.stock
         else:
-            # a GGUF input's surgery is final; a stock conversion's rewrite is F32, quantized below
-            source = target if self.gguf is not None else self.directory / f"{config.key}-f32.gguf"
-            if not source.is_file():
-                _log(f"NBL {'surgery' if self.gguf is not None else 'rewrite'} {config.key}")
-                n_layer = self.artifact.num_layers
-                code = nbl_format.LINEAR if config.method == "attn-nbl" else nbl_format.DROPPED
-                types = [code if i in config.layers else nbl_format.ATTENTION for i in range(n_layer)]
-                linear = {i: self.artifact.linear(i, "attn") for i in config.layers if code == nbl_format.LINEAR}
-                layers = nbl_format.NblLayers(types=types, linear=linear, method=config.method,
-                                            criterion=config.criterion,
-                                            scores=[float(s) for s in self.artifact.scores(config.criterion, "attn")],
-                                            calibration=provenance(self.artifact, Path(self.source.name), gguf=self.gguf))
-                nbl_format.write_nbl_gguf(self.stock, source, layers,
-                                          weight_type=None if self.gguf is not None else "F32")
-        if quant.upper() == "F32" or self.gguf is not None:
-            return source
-        _log(f"llama-quantize {config.key} -> {quant}")
-        return quantize(source, target, quant, threads=self.threads)
-
-    def drop_intermediates(self, config: Config) -> None:
-        if config.method != "baseline" and self.gguf is None:
-            (self.directory / f"{config.key}-f32.gguf").unlink(missing_ok=True)
+            stock = self.directory / f"baseline-{quant.lower()}.gguf"
+            if not stock.is_file():
+                _log(f"llama-quantize stock -> {quant}")
+                quantize(self.stock, stock, quant, threads=self.threads)
+        if config.method == "baseline":
+            return stock
+        target = self.directory / f"{config.key}-{quant.lower()}.gguf"
+        if not target.is_file():
+            _log(f"NBL surgery {config.key} {quant}")
+            n_layer = self.artifact.num_layers
+            code = nbl_format.LINEAR if config.method == "attn-nbl" else nbl_format.DROPPED
+            types = [code if i in config.layers else nbl_format.ATTENTION for i in range(n_layer)]
+            linear = {i: self.artifact.linear(i, "attn") for i in config.layers if code == nbl_format.LINEAR}
+            layers = nbl_format.NblLayers(types=types, linear=linear, method=config.method,
+                                          criterion=config.criterion,
+                                          scores=[float(s) for s in self.artifact.scores(config.criterion, "attn")],
+                                          calibration=provenance(self.artifact, Path(self.source.name), gguf=self.gguf))
+            nbl_format.write_nbl_gguf(stock, target, layers)
+        return target
 
 
 def bench_pair(baseline: Path, model: Path, bench_args: str, threads: int | None) -> dict:
