@@ -174,6 +174,11 @@ def test_taps_arguments_are_checked_before_calibrating(tmp_path, tiny_folder, ca
                           (["--taps", 3, "--method", "attn-drop"], "--method attn-nbl")):
         with pytest.raises((NblError, SystemExit)):
             run_calibrate("--model", tiny_folder, "--dataset", calibration_text, *argv, "-o", tmp_path / "c")
+    # too few fit tokens for the stacked inputs: refused once the windows are cut, before layer 0 runs
+    with pytest.raises(NblError, match=r"only 64 calibration tokens for --taps 4, which stacks 4 x 32 = 128 inputs a "
+                                       r"layer; need more than 128"):
+        run_calibrate("--model", tiny_folder, "--dataset", calibration_text, "--taps", 4, "--nsamples", 2,
+                      "--seqlen", 32, "--m", 1, "--criterion", "cosine", "-o", tmp_path / "c")
     assert not out.exists() and not (tmp_path / "c").exists()
 
 

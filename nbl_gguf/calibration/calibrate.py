@@ -315,6 +315,11 @@ def load_windows(args, prepared: Prepared, needs_heldout: bool, nsamples: int):
     if calib.tokens <= prepared.hidden_size:
         raise NblError(f"only {calib.tokens} calibration tokens for hidden size {prepared.hidden_size}; need more than "
                        f"{prepared.hidden_size} (raise --nsamples/--seqlen or use more text)")
+    stacked = args.taps * prepared.hidden_size  # a taps map's inputs: the token's and its taps - 1 predecessors'
+    if args.taps > 1 and calib.tokens <= stacked:
+        raise NblError(f"only {calib.tokens} calibration tokens for --taps {args.taps}, which stacks {args.taps} x "
+                       f"{prepared.hidden_size} = {stacked} inputs a layer; need more than {stacked} (raise "
+                       f"--nsamples/--seqlen, or use --taps 1)")
     if not counts:
         return calib, None, None
     bundled, kinds = dataset.bundled_selection_windows(
