@@ -205,6 +205,38 @@ def test_hidden_states_on_disk_give_the_same_calibration(tiny_folder, tmp_path, 
     assert assert_same_calibration(disk, memory, tolerance=1e-12) == 0.0
 
 
+def test_on_a_gpu_hidden_states_spill_to_host_memory_then_to_disk(tiny_folder, monkeypatch):
+    """On CUDA the windows' hidden states stay on the GPU when they fit beside one layer (in 90% of its
+    free memory), else they spill to host memory within the budget (which then holds no layer), else to
+    disk; a GPU that cannot hold one layer is an error that names what it needs. The GPU is simulated:
+    the plan reads only torch.cuda.mem_get_info (the run itself moves each batch to the layer's device)."""
+    from nbl_gguf.calibration.stream import LayerStream, plan_hidden
+    from nbl_gguf.model_source import resolve_model
+
+    stream = LayerStream(resolve_model(str(tiny_folder / "model")), torch.float32, "cpu")
+    host = plan_hidden(stream, 24, 64, 16, 3, ("attn",), None)
+    assert host.memory == "cpu" and host.fixed > 0 and host.hidden > 0
+    stream.device = "cuda:0"
+    free = {}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 1 << 40))
+
+    def plan(budget):
+        return plan_hidden(stream, 24, 64, 16, 3, ("attn",), budget)
+
+    free["bytes"] = int((host.fixed + host.hidden) / 0.9) + 1024
+    on_gpu = plan(None)
+    assert on_gpu.memory == "cuda:0" and (on_gpu.fixed, on_gpu.hidden) == (host.fixed, host.hidden)
+    free["bytes"] = host.fixed + host.hidden // 2  # one layer fits, the hidden states do not
+    spilled = plan(host.hidden)
+    assert spilled.memory == "cpu" and spilled.fixed == 0 and spilled.reason.startswith("hidden states in memory")
+    on_disk = plan(host.hidden - 1)
+    assert on_disk.memory is None and on_disk.reason.startswith("hidden states on disk")
+    free["bytes"] = host.fixed - 1
+    with pytest.raises(NblError, match=r"cuda:0 has \d+\.\d+ GiB free, and one layer of .* needs about .* GiB "
+                                       r"\(the layer's weights"):
+        plan(None)
+
+
 def test_a_padding_token_outside_the_calibration_text_is_no_obstacle(tmp_path):
     """The embedding module's padding index names a row of the whole vocabulary (Qwen2.5's is its last
     token): the streamed path reads only the rows its windows use, and must give the whole model's
