@@ -49,3 +49,11 @@ def check_output_dir(path: str | os.PathLike, flag: str = "-o", *, renamed_into_
         raise NblError(f"{flag} {path}: {ancestor} is not a folder")
     _check_writable(ancestor, flag, path)
     return path
+
+
+def atomic_output(path: Path):
+    """A temporary path next to ``path``; call ``os.replace(tmp, path)`` once it is complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)

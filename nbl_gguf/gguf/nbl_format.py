@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -15,6 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from nbl_gguf.errors import NblError
+from nbl_gguf.outputs import atomic_output
 
 ATTENTION = 0  # stock self-attention
 LINEAR = 1  # attention replaced by y = W x + b of the normed input
@@ -145,14 +145,6 @@ def read_layer_types(reader) -> list[int] | None:
     arch = str(reader.fields["general.architecture"].contents())
     layer_types = reader.fields.get(LAYER_TYPES_KEY.format(arch=arch))
     return None if layer_types is None else [int(v) for v in layer_types.contents()]
-
-
-def atomic_output(path: Path):
-    """A temporary path next to ``path``; call ``os.replace(tmp, path)`` once it is complete."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    return Path(tmp)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Iterable
 
 from nbl_gguf.errors import NblError
 from nbl_gguf.llamacpp.tools import run_tool, tool
+from nbl_gguf.outputs import atomic_output
 
 # "   15  or  Q4_K_M  :  4.58G, ..."   and   "          COPY    : only copy tensors"
 _TYPE_LINE = re.compile(r"^\s+(?:\d+\s+or\s+)?([A-Z][A-Z0-9_]*)\s+:")
@@ -62,7 +63,6 @@ def normalize_quant(name: str) -> str:
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, quant: str, *, imatrix: str | os.PathLike | None = None,
              threads: int | None = None, extra_args: Iterable[str] = ()) -> Path:
     """``llama-quantize [--imatrix FILE] src dst TYPE [threads]``; ``dst`` appears only once complete."""
-    from nbl_gguf.gguf.nbl_format import atomic_output
 
     qtype = normalize_quant(quant)
     src, dst = Path(src), Path(dst)
@@ -96,7 +96,6 @@ def compute_imatrix(model: str | os.PathLike, texts: Iterable[str] | str, output
                     ctx: int = 512, chunks: int | None = None, threads: int | None = None,
                     seed: int = 0) -> Path:
     """Run ``llama-imatrix`` of ``model`` (an F32/F16 GGUF) over ``texts``; writes ``output`` (GGUF imatrix)."""
-    from nbl_gguf.gguf.nbl_format import atomic_output
 
     text = texts if isinstance(texts, str) else "\n\n".join(t for t in texts if t)
     if not text.strip():

@@ -29,13 +29,13 @@ from nbl_gguf.gguf.nbl_format import (
     NblLayers,
     WeightType,
     add_provenance,
-    atomic_output,
     copy_keys,
     is_attention_tensor,
     layer_of,
     quantize_weight,
     write_tensors,
 )
+from nbl_gguf.outputs import atomic_output
 
 STOCK_ARCH = "deci"
 # GGUF architectures whose layer the deci graph computes unchanged (RMSNorm, rotary attention with
