@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -226,16 +226,13 @@ def weight_types(src, layers: NblLayers, requested: str | None = None,
     ``requested`` for all, or by default from the type of that layer's attn_output (default_weight_type).
     With ``imatrix`` (llama-imatrix's GGUF, of the stock model), W is quantized with the column weights of
     its layer's attn_q (IMATRIX_SOURCES)."""
-    import dataclasses
-
     import gguf
 
     if imatrix is not None:
         from nbl_gguf.gguf.quantize import imatrix_columns
 
-        typed = weight_types(src, layers, requested)
-        return {layer: dataclasses.replace(weight, importance=imatrix_columns(imatrix, [name.format(layer=layer) for name in IMATRIX_SOURCES]))
-                for layer, weight in typed.items()}
+        return {layer: replace(weight, importance=imatrix_columns(imatrix, [n.format(layer=layer) for n in IMATRIX_SOURCES]))
+                for layer, weight in weight_types(src, layers, requested).items()}
 
     reader = src if isinstance(src, gguf.GGUFReader) else gguf.GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())
