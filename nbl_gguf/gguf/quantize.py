@@ -63,7 +63,6 @@ def normalize_quant(name: str) -> str:
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, quant: str, *, imatrix: str | os.PathLike | None = None,
              threads: int | None = None, extra_args: Iterable[str] = ()) -> Path:
     """``llama-quantize [--imatrix FILE] src dst TYPE [threads]``; ``dst`` appears only once complete."""
-
     qtype = normalize_quant(quant)
     src, dst = Path(src), Path(dst)
     if not src.is_file():
@@ -96,7 +95,6 @@ def compute_imatrix(model: str | os.PathLike, texts: Iterable[str] | str, output
                     ctx: int = 512, chunks: int | None = None, threads: int | None = None,
                     seed: int = 0) -> Path:
     """Run ``llama-imatrix`` of ``model`` (an F32/F16 GGUF) over ``texts``; writes ``output`` (GGUF imatrix)."""
-
     text = texts if isinstance(texts, str) else "\n\n".join(t for t in texts if t)
     if not text.strip():
         raise NblError("no calibration text for the importance matrix")
@@ -136,10 +134,10 @@ def imatrix_columns(imatrix: str | os.PathLike, names: Iterable[str]):
         sums, counts = tensors.get(f"{name}.in_sum2"), tensors.get(f"{name}.counts")
         if sums is None or counts is None:
             continue
-        if sums.data.ndim != 1 and sums.data.shape[0] != 1 or np.asarray(counts.data).size != 1:
+        counts, sums = np.asarray(counts.data).reshape(-1), np.asarray(sums.data, dtype=np.float32)
+        if counts.size != 1 or (sums.ndim > 1 and sums.shape[0] != 1):
             raise NblError(f"{imatrix}: {name} has per-expert data; an NBL weight takes one row")
-        count = float(np.asarray(counts.data).reshape(-1)[0])
-        sums = np.asarray(sums.data, dtype=np.float32).reshape(-1)
+        sums = sums.reshape(-1)
         # llama-quantize's rule for an entry that saw no tokens: all ones
-        return sums / count if count > 0 else np.ones_like(sums)
+        return sums / float(counts[0]) if counts[0] > 0 else np.ones_like(sums)
     return None

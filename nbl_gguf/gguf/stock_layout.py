@@ -154,8 +154,10 @@ def write_stock_gguf(src: str | os.PathLike, dst: str | os.PathLike, layers: Nbl
         # a dropped layer 0 written as a zero map (not in the mapping) is stored exactly, in F32
         qtypes = {layer: gguf.GGMLQuantizationType[weight_type[layer].name] if layer in weight_type
                   else gguf.GGMLQuantizationType.F32 for layer in weights}
+        importance = {layer: weight_type[layer].importance for layer in weights if layer in weight_type}
     else:
         qtypes = dict.fromkeys(weights, _weight_qtype(reader, weight_type))
+        importance = {}
 
     n_head = _per_layer(_field(reader, f"{arch}.{HEAD_COUNT}"), n_layer, HEAD_COUNT)
     n_head_kv = _per_layer(_field(reader, f"{arch}.{HEAD_COUNT_KV}", n_head), n_layer, HEAD_COUNT_KV)
@@ -175,8 +177,7 @@ def write_stock_gguf(src: str | os.PathLike, dst: str | os.PathLike, layers: Nbl
                                   or (tensor.name.startswith(f"blk.{layer}.attn_norm.") and not KEPT_ATTENTION_NORM[kind])):
             # W takes the place of the first attention tensor, keeping the file's order
             if kind == LINEAR and layer not in emitted:
-                importance = weight_type[layer].importance if isinstance(weight_type, Mapping) and layer in weight_type else None
-                data = quantize_weight(weights[layer], qtypes[layer], importance)
+                data = quantize_weight(weights[layer], qtypes[layer], importance.get(layer))
                 tensors.append((f"blk.{layer}.attn_output.weight", data, qtypes[layer]))
             emitted.add(layer)
             continue
