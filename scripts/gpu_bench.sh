@@ -2,14 +2,14 @@
 # The GPU half of the measurements (docs/results/bench-cpu.md and scale-cpu.md have the CPU half), on a
 # machine with an NVIDIA GPU and no network, from the repository root. docs/results/gpu.md has the figures.
 #
-#   bash scripts/gpu_bench.sh [STAGE ...]        default: all = build models calibrate bench8b tests
+#   bash scripts/gpu_bench.sh [STAGE ...]        default: all
 #
-# Stages:
+# Stages (all = build models calibrate bench8b taps tests stream spill):
 #   pack       (on the development machine, after scripts/setup.sh) puts into .carry/ (git-ignored; name it
 #              in the device tool's `carry`): the build folder's patched llama.cpp tree with its stamp, so
 #              the top-level CMakeLists.txt builds it without the sdist (~13 MB); the embedded model's
-#              tokenizer files; llama-cpp-python's Python files, which load the CUDA libllama through
-#              LLAMA_CPP_LIB_PATH
+#              tokenizer files; llama-cpp-python's Python files (and diskcache, which they import), which
+#              load the CUDA libllama through LLAMA_CPP_LIB_PATH
 #   build      the top-level CMakeLists.txt with GGML_CUDA=ON into $NBL_GGUF_BUILD (default build-cuda)
 #   models     the Llama-3.1-8B-shaped random-weight F16 safetensors folder and its Q4_K_M GGUF
 #              (scripts/make_scale_models.py, as in scale-cpu.md)
@@ -17,11 +17,17 @@
 #              held-out perplexity step): summary, stage times, peak RSS and peak GPU memory
 #   bench8b    llama-bench on CUDA, stock Q4_K_M against the NBL file `calibrate` made: pp512 and tg128
 #              at depths 0, 4096 and 16384, 2 interleaved rounds
+#   taps       llama-bench on CUDA, Llama-3.2-1B shape (random weights): stock against per-token NBL-6 against
+#              taps NBL-6 (K = 4, low-rank lags of rank n_embd/4, as the calibrator's default), pp512 and tg128 at
+#              depths 0, 4096 and 16384, 2 interleaved rounds
+#   spill      the calibration on a GPU filled so that one layer fits and the windows' hidden states do not:
+#              they spill to host memory, then to disk, with the calibration of the GPU-resident run (pytest)
 #   hf         (not in all; not run yet) transformers bf16 on CUDA, same shape and NBL layers, against llama.cpp
 #   1b         (not in all; not run yet) Llama-3.2-1B shape, m=6: CPU (-ngl 0 -dev none) and CUDA side by side
 #   tests      the in-process and tool tests of the patched llama.cpp (NBL and taps layers, llama-server,
-#              KV sizes) with every layer offloaded (NBL_GGUF_N_GPU_LAYERS=99; the tools offload by default),
-#              and the streamed calibration against the whole model on CUDA (scripts/gpu_tokenizer_plugin.py)
+#              KV sizes) with every layer offloaded (NBL_GGUF_N_GPU_LAYERS=99; the tools offload by default);
+#              tests/test_llama_cuda.py: each file's CUDA logits against the same build's CPU backend
+#   stream     the streamed calibration against the whole model on CUDA (scripts/gpu_tokenizer_plugin.py)
 #
 # Environment: RESULTS (default $OUT/gpu when the device tool sets OUT, else bench-results/gpu),
 # NBL_GGUF_BUILD (default build-cuda), PYTHON (default python3), CUDA_ARCH (default 90: H100/H200),
@@ -43,6 +49,10 @@ nbl_gguf=$work/nbl-8b-cuda.gguf
 mkdir -p "$results" "$work"
 export PYTHONPATH="$root:$carry/pylib${PYTHONPATH:+:$PYTHONPATH}"
 export LLAMA_CPP_LIB_PATH=$NBL_GGUF_BUILD/bin
+# gguf-py from the packed tree where the environment has none (the GPU image has none)
+if ! "$PYTHON" -c "import gguf" 2>/dev/null; then
+    export PYTHONPATH="$NBL_GGUF_BUILD/llama.cpp-src/gguf-py:$PYTHONPATH"
+fi
 
 log() { echo "gpu_bench: $(date +%T) $*" >&2; }
 timed() { "$PYTHON" - "$@" <<'EOF'
@@ -63,11 +73,15 @@ stage_pack() {
     local model_dir
     model_dir=$("$PYTHON" -c "from nbl_gguf import models; print(models.default_model_dir())")
     cp "$model_dir"/{tokenizer.json,tokenizer_config.json,config.json} "$carry/tokenizer/"
-    local package
-    package=$("$PYTHON" -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('llama_cpp').origin))")
+    local package  # looked up without PYTHONPATH, which names the packed copies
+    package=$(env -u PYTHONPATH "$PYTHON" -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('llama_cpp').origin))")
     rm -rf "$carry/pylib/llama_cpp"
     cp -r "$package" "$carry/pylib/llama_cpp"
     rm -rf "$carry/pylib/llama_cpp/lib"
+    # llama_cpp imports diskcache (pure Python), which the GPU image does not list
+    package=$(env -u PYTHONPATH "$PYTHON" -c "import diskcache, os; print(os.path.dirname(diskcache.__file__))")
+    rm -rf "$carry/pylib/diskcache"
+    cp -r "$package" "$carry/pylib/diskcache"
     find "$carry/pylib" -name __pycache__ -prune -exec rm -rf {} +
     log "packed $(du -sh "$carry" | cut -f1) into $carry"
 }
@@ -100,6 +114,17 @@ stage_bench8b() {
         -p 512 -n 128 --rounds 2 -r 2 --no-plot -o "$results/bench-8b-cuda" 2>&1 | tail -40
 }
 
+stage_taps() {
+    "$PYTHON" -m nbl_gguf bench --shape llama-3.2-1b --m 6 --taps 1,4 --quant q4_k_m --backends cuda -d 0,4096,16384 \
+        -p 512 -n 128 --rounds 2 -r 2 --no-plot --work-dir "$work/bench" -o "$results/taps-1b-cuda" 2>&1 | tail -40
+}
+
+stage_spill() {
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+    "$PYTHON" -m pytest -q -rA -s -p no:cacheprovider -o addopts="" tests/test_calibrate_stream.py -k real_gpu \
+        2>&1 | tee "$results/spill-cuda.log" | tail -30
+}
+
 stage_hf() {
     "$PYTHON" -m nbl_gguf bench --shape llama-3.1-8b --m 12 --quant q4_k_m --backends cuda -d 0 -p 512 -n 128 \
         --rounds 2 -r 2 --hf-compare --device cuda --dtype bf16 --work-dir "$work/bench" -o "$results/llama-3.1-8b-hf-compare"
@@ -116,8 +141,12 @@ stage_tests() {
     local preload=/lib/x86_64-linux-gnu/libstdc++.so.6
     [ -f "$preload" ] || preload=
     LD_PRELOAD=$preload NBL_GGUF_N_GPU_LAYERS=99 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -o addopts="" \
-        tests/test_llama_nbl.py tests/test_llama_taps.py tests/test_llama_server.py tests/test_kv_cache.py \
+        tests/test_llama_cuda.py tests/test_llama_nbl.py tests/test_llama_taps.py tests/test_llama_server.py \
+        tests/test_kv_cache.py \
         2>&1 | tee "$results/tests-cuda.log" | tail -60
+}
+
+stage_stream() {
     # the calibrator on the default device (CUDA here): streamed against whole-model, every family
     PYTHONPATH="$root/scripts:$PYTHONPATH" "$PYTHON" -m pytest -q -rA -p no:cacheprovider -o addopts="" \
         -p gpu_tokenizer_plugin tests/test_calibrate_stream.py \
@@ -129,9 +158,10 @@ stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(all)
 for stage in "${stages[@]}"; do
     case $stage in
-        all) for s in build models calibrate bench8b tests; do log "stage $s"; "stage_$s"; done ;;
-        pack|build|models|calibrate|bench8b|hf|1b|tests) log "stage $stage"; "stage_$stage" ;;
-        *) log "unknown stage '$stage' (pack, build, models, calibrate, bench8b, hf, 1b, tests, all)"; exit 2 ;;
+        all) for s in build models calibrate bench8b taps tests stream spill; do log "stage $s"; "stage_$s"; done ;;
+        pack|build|models|calibrate|bench8b|taps|spill|hf|1b|tests|stream) log "stage $stage"; "stage_$stage" ;;
+        *) log "unknown stage '$stage' (pack, build, models, calibrate, bench8b, taps, spill, hf, 1b, tests, stream, all)"
+           exit 2 ;;
     esac
 done
 log "results in $results"

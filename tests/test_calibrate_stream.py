@@ -237,6 +237,62 @@ def test_on_a_gpu_hidden_states_spill_to_host_memory_then_to_disk(tiny_folder, m
         plan(None)
 
 
+@pytest.fixture(scope="module")
+def gpu_folder(tmp_path_factory):
+    """A model whose windows' hidden states (about 0.55 GiB) are large beside one layer (about 0.15 GiB
+    with a batch's activations), so that a GPU can be filled to hold the one and not the other."""
+    root = tmp_path_factory.mktemp("gpu")
+    texts = sample_texts(5000, 60, seed=4)
+    tokenizer = word_tokenizer(texts)
+    model = tiny_model(layers=3, hidden=256, vocab=len(tokenizer), seed=4, max_position_embeddings=512)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return root
+
+
+GPU_WINDOWS, GPU_SEQLEN, GPU_HELDOUT, GPU_BATCH = 512, 512, 16, 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_bench.sh spill runs it on one)")
+def test_on_a_real_gpu_hidden_states_spill_to_host_memory_and_disk_with_the_same_calibration(gpu_folder, tmp_path):
+    """A GPU with room for one layer but not for the windows' hidden states (the rest of its memory held
+    by another allocation, as on a shared GPU): the layer runs on the GPU, the hidden states go to host
+    memory, or to disk under a --memory-budget smaller than them, and the calibration is the one the
+    GPU-resident run gives."""
+    from nbl_gguf.calibration.stream import LayerStream, plan_hidden
+    from nbl_gguf.model_source import resolve_model
+
+    args = ["--model", gpu_folder / "model", "--dataset", gpu_folder / "data.jsonl", "--nsamples", GPU_WINDOWS,
+            "--seqlen", GPU_SEQLEN, "--batch-size", GPU_BATCH, "--selection-windows", GPU_HELDOUT, "--m", 1,
+            "--dtype", "fp32", "--targets", "attn", "--device", "cuda"]
+    run_calibrate(*args, "-o", tmp_path / "on-gpu")
+    on_gpu = load_artifact(tmp_path / "on-gpu")
+    assert on_gpu.report["statistics"]["hidden_states"].startswith("hidden states on cuda")
+
+    stream = LayerStream(resolve_model(str(gpu_folder / "model")), torch.float32, "cuda")
+    plan = plan_hidden(stream, GPU_WINDOWS, GPU_SEQLEN, GPU_HELDOUT, GPU_BATCH, ("attn",), None)
+    assert plan.hidden > 2 * plan.fixed  # else the margin below would not hold the run
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    ballast = torch.empty(free - (plan.fixed + plan.hidden // 2), dtype=torch.uint8, device="cuda")
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        run_calibrate(*args, "-o", tmp_path / "host")
+        run_calibrate(*args, "--memory-budget", plan.hidden / 2 / 2**30, "-o", tmp_path / "disk")
+        peak = torch.cuda.max_memory_allocated() - ballast.numel()
+    finally:
+        del ballast
+        torch.cuda.empty_cache()
+    host, disk = load_artifact(tmp_path / "host"), load_artifact(tmp_path / "disk")
+    assert host.report["statistics"]["hidden_states"].startswith("hidden states in memory")
+    assert disk.report["statistics"]["hidden_states"].startswith("hidden states on disk")
+    print(f"GPU spill: hidden states {plan.hidden / 2**30:.2f} GiB, one layer {plan.fixed / 2**30:.2f} GiB planned; "
+          f"free for the run {(plan.fixed + plan.hidden // 2) / 2**30:.2f} GiB; peak allocated with the ballast "
+          f"{peak / 2**30:.2f} GiB; largest relative difference to the GPU-resident run: host "
+          f"{assert_same_calibration(host, on_gpu):.2e}, disk {assert_same_calibration(disk, on_gpu):.2e}")
+
+
 def test_a_padding_token_outside_the_calibration_text_is_no_obstacle(tmp_path):
     """The embedding module's padding index names a row of the whole vocabulary (Qwen2.5's is its last
     token): the streamed path reads only the rows its windows use, and must give the whole model's

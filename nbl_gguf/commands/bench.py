@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--layers", default=None,
                         help="--shape only: explicit NBL layers per m, e.g. '6:9,10,11,12,13,14' (default: the m "
                              "layers before the last)")
+    flags.add_taps_list(source, "--shape only: one NBL file per m and per count, 1 = per-token maps, K > 1 = taps "
+                                "layers reading K tokens (random maps of the calibrator's default form), e.g. 1,4 (default: 1)")
     source.add_argument("--work-dir", default=None,
                         help="where generated GGUFs are kept and reused (default: ~/.cache/nbl-gguf/bench)")
     flags.add_seed(source, "a --shape model's weights and of --model's calibration")
@@ -134,6 +136,9 @@ def check_meaningful(args, explicit: bool) -> None:
     def refuse(flag: str, why: str) -> None:
         raise NblError(f"{flag} means nothing {why}")
 
+    if args.taps is not None and args.shape is None:
+        refuse(f"--taps {','.join(map(str, args.taps))}", "without --shape: the files of --model and --baseline/--nbl "
+                                                          "say themselves what replaces their layers")
     if args.layers is not None and args.shape is None:
         refuse(f"--layers {args.layers}", "without --shape: it names the layers of a synthetic model")
     if args.hf_model is not None and not (explicit and args.hf_compare):
@@ -198,13 +203,14 @@ def shape_models(args, log) -> ModelSet:
     shape = synthetic.get_shape(args.shape)
     layers = _parse_layers(args.layers)
     directory = work_dir(args) / "synthetic"
+    taps = args.taps or [1]
     stock, nbl = synthetic.make_pair(shape, args.quant, args.m, directory, seed=args.seed, layers=layers,
-                                     threads=args.threads, log=log)
+                                     threads=args.threads, taps=taps, log=log)
     return ModelSet(
         f"synthetic {shape.name}", args.quant, Candidate("stock", stock),
-        [Candidate(f"nbl-m{m}", nbl[m]) for m in args.m],
+        [Candidate(f"nbl-m{m}" + (f"-taps{k}" if k > 1 else ""), path) for (m, k), path in nbl.items()],
         hf={"kind": "shape", "shape": shape.name, "seed": args.seed},
-        commands=[f"synthetic.make_pair({shape.name!r}, {args.quant!r}, m={args.m}, seed={args.seed}) "
+        commands=[f"synthetic.make_pair({shape.name!r}, {args.quant!r}, m={args.m}, seed={args.seed}, taps={taps}) "
                   f"(random Q8_0 weights by gguf-py -> llama-quantize --allow-requantize)"],
     )
 

@@ -89,6 +89,11 @@ def add_m_list(parser, help: str, default=None) -> None:
     parser.add_argument("--m", nargs="+", type=int_list, action=_Flatten, default=default, metavar="M", help=help)
 
 
+def add_taps_list(parser, help: str) -> None:
+    """--taps of bench's synthetic models: several counts, one NBL file each."""
+    parser.add_argument("--taps", nargs="+", type=int_list, action=_Flatten, default=None, metavar="K", help=help)
+
+
 # --- calibrate's groups, shared with convert ----------------------------------------------------------
 
 def parse_m(text: str):
