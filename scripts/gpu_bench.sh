@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_bench.sh [STAGE ...]        default: all
 #
-# Stages (all = build models calibrate bench8b taps tests stream spill):
+# Stages (all = build models calibrate bench8b taps taps8b tests stream spill):
 #   pack       (on the development machine, after scripts/setup.sh) puts into .carry/ (git-ignored; name it
 #              in the device tool's `carry`): the build folder's patched llama.cpp tree with its stamp, so
 #              the top-level CMakeLists.txt builds it without the sdist (~13 MB); the embedded model's
@@ -20,6 +20,7 @@
 #   taps       llama-bench on CUDA, Llama-3.2-1B shape (random weights): stock against per-token NBL-6 against
 #              taps NBL-6 (K = 4, low-rank lags of rank n_embd/4, as the calibrator's default), pp512 and tg128 at
 #              depths 0, 4096 and 16384, 2 interleaved rounds
+#   taps8b     the same at the Llama-3.1-8B shape, NBL-12, depths 0 and 4096 (264 s on the H200, files made there)
 #   spill      the calibration on a GPU filled so that one layer fits and the windows' hidden states do not:
 #              they spill to host memory, then to disk, with the calibration of the GPU-resident run (pytest)
 #   hf         (not in all; not run yet) transformers bf16 on CUDA, same shape and NBL layers, against llama.cpp
@@ -119,6 +120,11 @@ stage_taps() {
         -p 512 -n 128 --rounds 2 -r 2 --no-plot --work-dir "$work/bench" -o "$results/taps-1b-cuda" 2>&1 | tail -40
 }
 
+stage_taps8b() {
+    "$PYTHON" -m nbl_gguf bench --shape llama-3.1-8b --m 12 --taps 1,4 --quant q4_k_m --backends cuda -d 0,4096 \
+        -p 512 -n 128 --rounds 2 -r 2 --no-plot --work-dir "$work/bench" -o "$results/taps-8b-cuda" 2>&1 | tail -40
+}
+
 stage_spill() {
     nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
     "$PYTHON" -m pytest -q -rA -s -p no:cacheprovider -o addopts="" tests/test_calibrate_stream.py -k real_gpu \
@@ -158,9 +164,9 @@ stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(all)
 for stage in "${stages[@]}"; do
     case $stage in
-        all) for s in build models calibrate bench8b taps tests stream spill; do log "stage $s"; "stage_$s"; done ;;
-        pack|build|models|calibrate|bench8b|taps|spill|hf|1b|tests|stream) log "stage $stage"; "stage_$stage" ;;
-        *) log "unknown stage '$stage' (pack, build, models, calibrate, bench8b, taps, spill, hf, 1b, tests, stream, all)"
+        all) for s in build models calibrate bench8b taps taps8b tests stream spill; do log "stage $s"; "stage_$s"; done ;;
+        pack|build|models|calibrate|bench8b|taps|taps8b|spill|hf|1b|tests|stream) log "stage $stage"; "stage_$stage" ;;
+        *) log "unknown stage '$stage' (pack, build, models, calibrate, bench8b, taps, taps8b, spill, hf, 1b, tests, stream, all)"
            exit 2 ;;
     esac
 done

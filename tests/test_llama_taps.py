@@ -61,13 +61,16 @@ class Context:
         import llama_cpp
 
         self.lib = llama_cpp
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = library.default_gpu_layers()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         assert self.model, f"{path} did not load"
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, n_ctx, n_ubatch, n_seq_max
         params.n_threads = params.n_threads_batch = 2
         params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
         params.flash_attn_type = 0  # off, as llama-cpp-python's Llama: its CPU kernel rounds Q to F16
+        params.op_offload = model_params.n_gpu_layers != 0  # a CPU model's large batches stay on the CPU
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         assert self.ctx
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))

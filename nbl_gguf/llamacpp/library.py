@@ -121,16 +121,21 @@ def captured_log() -> Iterator[list[str]]:
         llama_cpp.llama_log_set(default_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
+def default_gpu_layers() -> int:
+    """``NBL_GGUF_N_GPU_LAYERS`` or 0: in a CUDA build the in-process tests run on the GPU only when asked
+    (llama.cpp's own default offloads every layer)."""
+    return int(os.environ.get("NBL_GGUF_N_GPU_LAYERS", "0"))
+
+
 def load_model(path: str | Path, *, n_ctx: int = 512, n_gpu_layers: int | None = None, f32_kv: bool = False,
                **kwargs):
     """A ``llama_cpp.Llama`` for ``path`` and its KV cache info; load errors carry llama.cpp's message.
 
-    ``n_gpu_layers`` None: ``NBL_GGUF_N_GPU_LAYERS`` or 0, so that the in-process tests run on a GPU
-    build's device when asked (docs/building.md)."""
+    ``n_gpu_layers`` None: default_gpu_layers() (docs/building.md)."""
     import llama_cpp
 
     if n_gpu_layers is None:
-        n_gpu_layers = int(os.environ.get("NBL_GGUF_N_GPU_LAYERS", "0"))
+        n_gpu_layers = default_gpu_layers()
 
     if f32_kv:
         kwargs.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
