@@ -367,3 +367,44 @@ def test_bench_on_a_gguf_model_measures_the_file_and_its_surgery(tmp_path, monke
     kv = {r["model"]: r for r in result["kv_cache"]}
     assert kv["nbl-m1"]["vs_stock"] == pytest.approx(3 / 4) and kv["nbl-m2"]["vs_stock"] == pytest.approx(2 / 4)
     assert result["made_by"][0].startswith(str(source))
+
+
+@pytest.mark.llama
+def test_synthetic_models_carry_taps_layers_of_the_calibrators_default_form(tmp_path, monkeypatch):
+    """`bench --shape --taps 1,4`: one NBL file per count on the same layers, the taps file's replaced
+    layers of type 3 with the low-rank lags a calibrated file has (rank n_embd / 4 over 3 earlier
+    inputs), quantized by llama-quantize like the others; counts out of range are refused."""
+    import gguf
+
+    from nbl_gguf.fixtures import synthetic
+    from nbl_gguf.gguf import nbl_format
+
+    shape = synthetic.Shape("tiny-taps", 256, 4, 4, 2, 512, 300, False, 10000.0, 4096)
+    stock, nbl = synthetic.make_pair(shape, "q4_k_m", [2], tmp_path, taps=[1, 4], log=lambda *a: None)
+    assert sorted(nbl) == [(2, 1), (2, 4)]
+    layers = synthetic.default_layers(shape, 2)
+    for (m, k), path in nbl.items():
+        reader = gguf.GGUFReader(path)
+        kind = nbl_format.TAPS if k > 1 else nbl_format.LINEAR
+        assert nbl_format.read_layer_types(reader) == [kind if i in layers else nbl_format.ATTENTION for i in range(4)]
+        tensors = {t.name: t for t in reader.tensors}
+        for layer in layers:
+            lags = {name: tensors.get(pattern.format(layer=layer)) for name, pattern in nbl_format.TAPS_TENSORS.items()}
+            if k == 1:
+                assert not any(lags.values())
+                continue
+            assert lags["lag"] is None and lags["conv"] is None
+            assert [int(n) for n in lags["lag_down"].shape] == [3 * 256, 64]  # gguf order: columns first
+            assert [int(n) for n in lags["lag_up"].shape] == [64, 256]
+            assert lags["lag_down"].tensor_type != gguf.GGMLQuantizationType.F16  # quantized with the rest
+    assert nbl_format.read_layer_types(gguf.GGUFReader(stock)) is None
+
+    args = argparse.Namespace(shape="tiny-taps", layers=None, quant="q4_k_m", m=[2], seed=0, threads=None, taps=[1, 4],
+                              work_dir=str(tmp_path / "work"))
+    monkeypatch.setitem(synthetic.SHAPES, "tiny-taps", shape)
+    models = bench.shape_models(args, log=lambda *a: None)
+    assert [c.label for c in models.nbl] == ["nbl-m2", "nbl-m2-taps4"]
+    with pytest.raises(NblError, match="each count is 1"):
+        synthetic.make_pair(shape, "q4_k_m", [2], tmp_path, taps=[0], log=lambda *a: None)
+    with pytest.raises(NblError, match="--taps 1,4 means nothing without --shape"):
+        bench.apply_presets(_args(baseline="a.gguf", nbl=["b.gguf"], taps=[1, 4]))
