@@ -134,6 +134,32 @@ def test_channel_fit_recovers_per_channel_taps_and_never_loses_to_the_per_token_
     assert all(a >= b - 1e-12 for a, b in zip(errors, errors[1:])) and errors[-1] < errors[0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form", ["full", "lowrank", "channel"])
+def test_the_solve_of_moments_on_a_gpu_equals_the_cpu_one(form):
+    """The calibrator keeps a layer's statistics on its device; a solve of CUDA moments once failed
+    handing its tensors to numpy (found on the H200 by scripts/bench_taps_layer.py --device cuda)."""
+    x, g = windows(seed=4)
+    y = torch.randn(x.shape, generator=g, dtype=torch.float64) + x @ torch.randn(D, D, generator=g, dtype=torch.float64)
+    fits = []
+    for device in ("cpu", "cuda"):
+        acc = TapsAccumulator(D, K, device)
+        acc.update(x.to(device), y.to(device))
+        fits.append(solve(acc.moments(), K, form, 2))
+    cpu, gpu = fits
+
+    def maps(fit):  # the low-rank factors only up to the signs of their eigenvectors: their product
+        lags = None if fit.lag_down is None else fit.lag_up @ fit.lag_down
+        return {"weight": fit.weight, "bias": fit.bias, "lag": fit.lag, "low-rank lag": lags, "conv": fit.conv}
+
+    for (name, a), b in zip(maps(cpu).items(), maps(gpu).values()):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert isinstance(b, np.ndarray), name
+            np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-9, err_msg=name)
+    assert gpu.nmse == pytest.approx(cpu.nmse, rel=1e-6, abs=1e-12)
+
+
 def test_solve_names_bad_requests():
     m, _ = fitted(lambda x: x)
     with pytest.raises(NblError, match="unknown taps form 'cubic'"):

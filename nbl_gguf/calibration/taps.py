@@ -260,8 +260,8 @@ def _oldest_first(lag_major: torch.Tensor, d: int) -> torch.Tensor:
 
 def _finish(m: Moments, taps: int, stacked: torch.Tensor, **tensors) -> TapsMap:
     bias = m.mean_y - stacked @ m.mean_x
-    arrays = {name: None if t is None else t.numpy() for name, t in tensors.items()}
-    return TapsMap(taps=taps, bias=bias.numpy(), nmse=_nmse(m, stacked), **arrays)
+    arrays = {name: None if t is None else t.cpu().numpy() for name, t in tensors.items()}
+    return TapsMap(taps=taps, bias=bias.cpu().numpy(), nmse=_nmse(m, stacked), **arrays)
 
 
 def solve_full(m: Moments, taps: int) -> TapsMap:
