@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _llama_context import Context
 
 from nbl_gguf.fixtures.tiny import TinyLlama
 from nbl_gguf.gguf import nbl_format
@@ -42,46 +43,14 @@ pytestmark = [
 
 
 def logits(path, tokens, on_gpu: bool) -> np.ndarray:
-    """Logits of a prompt (all but the last DECODE tokens, one batch) and then of one token at a time."""
-    import llama_cpp
-
-    model_params = llama_cpp.llama_model_default_params()
-    model_params.n_gpu_layers = 999 if on_gpu else 0
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
-    assert model, f"{path} did not load"
-    params = llama_cpp.llama_context_default_params()
-    params.n_ctx = params.n_batch = params.n_ubatch = 64
-    params.n_threads = params.n_threads_batch = 2
-    params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
-    params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    params.op_offload = on_gpu  # else a CPU model's large batches are still sent to the GPU
-    ctx = llama_cpp.llama_init_from_model(model, params)
-    assert ctx
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-
-    def decode(items):
-        batch = llama_cpp.llama_batch_init(len(items), 0, 1)
-        try:
-            batch.n_tokens = len(items)
-            for i, (token, pos) in enumerate(items):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = True
-            assert llama_cpp.llama_decode(ctx, batch) == 0
-            return [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).astype(np.float64)
-                    for i in range(len(items))]
-        finally:
-            llama_cpp.llama_batch_free(batch)
-
+    """Logits of a prompt (all but the last DECODE tokens, one batch) and then of one token at a time,
+    every layer on the GPU or all on the CPU backend."""
+    context = Context(path, n_seq_max=1, n_ctx=64, n_ubatch=64, n_gpu_layers=999 if on_gpu else 0)
     try:
         split = len(tokens) - DECODE
-        rows = decode([(t, i) for i, t in enumerate(tokens[:split])])
-        for i in range(split, len(tokens)):
-            rows += decode([(tokens[i], i)])
-        return np.array(rows)
+        return np.concatenate([context.run(tokens[:split]), context.step(tokens[split:], start=split)])
     finally:
-        llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
+        context.close()
 
 
 def files(tmp_path) -> tuple[dict, list[int]]:

@@ -6,12 +6,11 @@ same logits. Malformed taps files fail to load with a message naming the layer o
 
 from __future__ import annotations
 
-import ctypes
-
 import gguf
 import numpy as np
 import pytest
 import torch
+from _llama_context import Context
 from _llama_server import running_llama_server
 
 from nbl_gguf.calibration.apply import ATTN_LINEAR, ATTN_TAPS, apply_nbl
@@ -52,70 +51,6 @@ class Reference:
 
     def tokens(self, n: int, seed: int) -> list[int]:
         return [int(t) for t in np.random.default_rng(seed).integers(3, self.tiny.n_vocab, n)]
-
-
-class Context:
-    """A llama.cpp context on raw batches: (token, position, sequence) items, logits for every item."""
-
-    def __init__(self, path, n_seq_max: int = 2, n_ctx: int = 128, n_ubatch: int = 512):
-        import llama_cpp
-
-        self.lib = llama_cpp
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = library.default_gpu_layers()
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
-        assert self.model, f"{path} did not load"
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, n_ctx, n_ubatch, n_seq_max
-        params.n_threads = params.n_threads_batch = 2
-        params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
-        params.flash_attn_type = 0  # off, as llama-cpp-python's Llama: its CPU kernel rounds Q to F16
-        params.op_offload = model_params.n_gpu_layers != 0  # a CPU model's large batches stay on the CPU
-        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
-        assert self.ctx
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        self.memory = llama_cpp.llama_get_memory(self.ctx)
-
-    def decode(self, items) -> np.ndarray:
-        lib = self.lib
-        batch = lib.llama_batch_init(len(items), 0, 1)
-        try:
-            batch.n_tokens = len(items)
-            for i, (token, pos, seq) in enumerate(items):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-                batch.seq_id[i][0] = seq
-                batch.logits[i] = True
-            assert lib.llama_decode(self.ctx, batch) == 0
-            return np.array([np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
-                             for i in range(len(items))], dtype=np.float64)
-        finally:
-            lib.llama_batch_free(batch)
-
-    def run(self, tokens, seq: int = 0, start: int = 0) -> np.ndarray:
-        return self.decode([(t, start + i, seq) for i, t in enumerate(tokens)])
-
-    def step(self, tokens, seq: int = 0, start: int = 0) -> np.ndarray:
-        return np.concatenate([self.run([t], seq, start + i) for i, t in enumerate(tokens)])
-
-    def seq_rm(self, seq, p0, p1) -> bool:
-        return bool(self.lib.llama_memory_seq_rm(self.memory, seq, p0, p1))
-
-    def pos_max(self, seq) -> int:
-        return self.lib.llama_memory_seq_pos_max(self.memory, seq)
-
-    def save_seq(self, seq) -> bytes:
-        size = self.lib.llama_state_seq_get_size(self.ctx, seq)
-        buffer = (ctypes.c_uint8 * size)()
-        assert self.lib.llama_state_seq_get_data(self.ctx, buffer, size, seq) == size
-        return bytes(buffer)
-
-    def load_seq(self, data: bytes, seq) -> None:
-        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        assert self.lib.llama_state_seq_set_data(self.ctx, buffer, len(data), seq) == len(data)
-
-    def close(self):
-        self.lib.llama_free(self.ctx)
-        self.lib.llama_model_free(self.model)
 
 
 def close(got, want) -> float:
