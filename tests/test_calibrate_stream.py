@@ -53,6 +53,10 @@ def assert_same_calibration(streamed, whole, tolerance=1e-6):
         for target in streamed.targets:
             for criterion in CRITERIA + ("nmse_nobias",) if target == "attn" else CRITERIA:
                 assert a[target][criterion] == pytest.approx(b[target][criterion], rel=tolerance, abs=1e-12)
+    # the block influence (1 - cos of a block's input and output): the stream records it for every layer,
+    # the whole model where it fitted the blocks
+    if "block" in whole.targets:
+        np.testing.assert_allclose(streamed.block_influence(), whole.block_influence(), rtol=tolerance, atol=1e-12)
     sa, sb = streamed.report["selection"], whole.report["selection"]
     assert sa["layers"] == sb["layers"] and sa.get("chosen") == sb.get("chosen")
     if "heldout" in sb:

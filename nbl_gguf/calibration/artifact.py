@@ -185,6 +185,15 @@ class CalibrationArtifact:
         self._check_target(target)
         return np.array([layer[target][criterion] for layer in self.report["layers"]], dtype=np.float64)
 
+    def block_influence(self) -> np.ndarray:
+        """ShortGPT's block influence of every decoder layer, 1 - cos(block input, block output): the lowest
+        are the blocks that change the hidden state least, the ones a layer pruning removes first."""
+        values = [layer.get("block_cosine", (layer.get("block") or {}).get("cosine")) for layer in self.report["layers"]]
+        if any(value is None for value in values):
+            raise NblError(f"the calibration in {self.path} has no block influence (1 - cos of each block): it was "
+                           f"made before it was recorded; run calibrate again")
+        return np.array(values, dtype=np.float64)
+
     def select(self, m: int | None = None, criterion: str | None = None, method: str | None = None,
                taps: int | None = None) -> list[int]:
         """Layers to replace; with no arguments, the selection made at calibration time. ``taps``: the

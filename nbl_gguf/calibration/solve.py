@@ -229,6 +229,8 @@ def solve_layer(index: int, attn, block, attn_cosine: float, block_cosine: float
     finally:
         torch.set_num_threads(threads)
     entry: dict = {"index": index}
+    if block_cosine is not None:
+        entry["block_cosine"] = block_cosine  # the decoder block's 1 - cos, whether or not it was fitted
     tensors: dict[str, np.ndarray] = {}
     for target, f, cosine, m in per_target:
         entry[target] = {"cca": f.cca_bound, "nmse": f.nmse, "cosine": cosine, "ridge": f.ridge, "cond": f.cond}

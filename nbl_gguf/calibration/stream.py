@@ -371,7 +371,9 @@ def calibrate_layers(stream: LayerStream, calib_ids: torch.Tensor, heldout_ids: 
         attn = MomentAccumulator(d, d, stats_device, f"layer {k} attention", CALIBRATION_PARTIAL)
         attn_cos = CosineAccumulator(stats_device)
         block = MomentAccumulator(d, d, stats_device, f"layer {k} block", CALIBRATION_PARTIAL) if with_block else None
-        block_cos = CosineAccumulator(stats_device) if with_block else None
+        # ShortGPT's block influence (1 - cos of the block's input and output) costs one pass over states
+        # that are here anyway: kept for every layer, the block ranking of `bench --frontier`'s pruned file
+        block_cos = CosineAccumulator(stats_device)
         past = (taps_fit.TapsAccumulator(d, taps, stats_device, f"layer {k} taps", CALIBRATION_PARTIAL)
                 if taps > 1 else None)
 
@@ -385,13 +387,14 @@ def calibrate_layers(stream: LayerStream, calib_ids: torch.Tensor, heldout_ids: 
 
         def on_block(i, h, out):
             with times.part("statistics"):
-                block.update(h, out)
+                if with_block:
+                    block.update(h, out)
                 block_cos.update(h, out)
 
         following = calib_store(k + 1, False) if k + 1 < num_layers else None
         following_held = held_store(k + 1, False)
         with times.part("forward"), capture_activations(stream.model, stream.adapter, on_attention,
-                                                        on_block if with_block else None, only=[k]):
+                                                        on_block, only=[k]):
             for start, stop in _batches(count, batch_size):
                 out = stream.run_layer(k, current.read(start, stop))
                 if following is not None:
@@ -401,7 +404,7 @@ def calibrate_layers(stream: LayerStream, calib_ids: torch.Tensor, heldout_ids: 
             for start, stop in _batches(held, batch_size):
                 following_held.write(start, stream.run_layer(k, current_held.read(start, stop)))
         with times.part("solve"):
-            entry, tensors = solve_layer(k, attn, block, attn_cos.value(), block_cos.value() if with_block else None,
+            entry, tensors = solve_layer(k, attn, block, attn_cos.value(), block_cos.value(),
                                          save_covariances)
         if past is not None:
             with times.part("taps_solve"):
