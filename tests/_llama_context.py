@@ -13,7 +13,10 @@ from nbl_gguf.llamacpp import library
 class Context:
     """A llama.cpp context on raw batches: (token, position, sequence) items, logits for every item."""
 
-    def __init__(self, path, n_seq_max: int = 2, n_ctx: int = 128, n_ubatch: int = 512, n_gpu_layers: int | None = None):
+    def __init__(self, path, n_seq_max: int = 2, n_ctx: int = 128, n_ubatch: int = 512, n_gpu_layers: int | None = None,
+                 kv_type: str = "f32"):
+        """``kv_type``: the cache type (-ctk/-ctv); F32 compares best with a float reference, and a
+        quantized cache needs flash attention, which this turns on for any other type."""
         import llama_cpp
 
         self.lib = llama_cpp
@@ -24,8 +27,9 @@ class Context:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, n_ctx, n_ubatch, n_seq_max
         params.n_threads = params.n_threads_batch = 2
-        params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
-        params.flash_attn_type = 0  # off, as llama-cpp-python's Llama: its CPU kernel rounds Q to F16
+        params.type_k = params.type_v = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
+        # off for F32, as llama-cpp-python's Llama: the CPU kernel rounds Q to F16
+        params.flash_attn_type = 0 if kv_type == "f32" else 1
         params.op_offload = model_params.n_gpu_layers != 0  # a CPU model's large batches stay on the CPU
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         assert self.ctx

@@ -147,7 +147,7 @@ def select(layers: list[dict], args, m: int | None, budget: float | None, evalua
     return selection
 
 
-def kv_report(config, selection: dict, n_ctx: int | None) -> dict:
+def kv_report(config, selection: dict, n_ctx: int | None, kv_type: str = "f16") -> dict:
     """The KV cache llama.cpp allocates at ``n_ctx`` (default: the training context) for the model
     as it is and with the chosen layers replaced, and for each set that `best` compared: a
     sliding-window layer frees only its window's cells, a global one a cache as long as the context."""
@@ -156,14 +156,14 @@ def kv_report(config, selection: dict, n_ctx: int | None) -> dict:
     if n_ctx is None:
         n_ctx = training_context_from_config(config) or DEFAULT_KV_CTX
     model = model_from_config(config)
-    context = Context(n_ctx=n_ctx)
+    context = Context(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type)
 
     def size(layers) -> dict:
         kv = kv_size(model.without(layers), context)
         return {"bytes": kv.bytes, "caches": {name: {"cells": cache.cells, "layers": cache.layers, "bytes": cache.bytes}
                                               for name, cache in kv.caches.items()}}
 
-    report = {"n_ctx": n_ctx, "stock": size([]), "nbl": size(selection["layers"])}
+    report = {"n_ctx": n_ctx, "type": kv_type, "stock": size([]), "nbl": size(selection["layers"])}
     compared = (selection.get("heldout") or {}).get("compared")
     if compared:
         report["compared"] = {c: size(entry["layers"])["bytes"] for c, entry in compared.items()}
@@ -180,7 +180,8 @@ def _change(before: int, after: int) -> str:
 
 def describe_kv(kv: dict) -> list[str]:
     stock, nbl = kv["stock"], kv["nbl"]
-    lines = [f"  KV cache at {kv['n_ctx']:,} tokens (F16, as llama-cli allocates it): {_mib(stock['bytes'])} -> "
+    lines = [f"  KV cache at {kv['n_ctx']:,} tokens ({kv.get('type', 'f16').upper()}, as llama-cli allocates it): "
+             f"{_mib(stock['bytes'])} -> "
              f"{_mib(nbl['bytes'])} ({_change(stock['bytes'], nbl['bytes'])})"]
     if "sliding" in stock["caches"]:
         for name, what in (("global", "global layers"), ("sliding", "sliding-window layers")):
@@ -464,6 +465,7 @@ class Settings:
     candidates: int | None = None
     selection_text: str = DEFAULT_SELECTION_TEXT
     ctx_size: int | None = None  # the context of the KV figures; None: the model's training context
+    kv_type: str = "f16"  # the cache type of the KV figures (llama.cpp's -ctk/-ctv)
     method: str = "attn-nbl"
     taps: int = DEFAULT_TAPS
     taps_rank: int | None = None  # None: calibration.taps.default_rank
@@ -542,7 +544,7 @@ def calibrate(args: Settings) -> Path:
     try:
         if heldout_text:
             selection["heldout_text"] = {key: heldout_text[key] for key in ("selection_text", "windows")}
-        selection["kv_cache"] = kv_report(config, selection, args.ctx_size)
+        selection["kv_cache"] = kv_report(config, selection, args.ctx_size, args.kv_type)
         report = {
             "format_version": 1,
             "model": {"name": prepared.name, "path": prepared.path, "architecture": (config.architectures or ["?"])[0],

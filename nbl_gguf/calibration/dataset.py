@@ -89,14 +89,44 @@ def kind_texts(kind: str, part: str) -> list[str]:
     return [doc["text"] for doc in _bundled_documents(kind) if doc["part"] == part]
 
 
-def evaluation_text(kind: str) -> str:
+# more characters than any tokenizer's mean token takes on our text: a text cut at N x this holds N tokens
+CHARS_PER_TOKEN_BOUND = 12
+
+
+def _joined(texts: list[str], max_chars: int | None) -> str:
+    """Documents blank-line separated, whole documents only, up to the first that reaches ``max_chars``
+    (llama-perplexity tokenizes the whole file before it takes its first chunks)."""
+    kept, total = [], 0
+    for text in (t.strip() for t in texts):
+        if not text:
+            continue
+        kept.append(text)
+        total += len(text) + 2
+        if max_chars is not None and total >= max_chars:
+            break
+    return "\n\n".join(kept) + "\n"
+
+
+def evaluation_text(kind: str, max_chars: int | None = None) -> str:
     """A kind's evaluation part, blank-line separated: the text of the summary's perplexity."""
-    return "\n\n".join(text.strip() for text in kind_texts(kind, EVALUATION) if text.strip()) + "\n"
+    return _joined(kind_texts(kind, EVALUATION), max_chars)
 
 
-def write_evaluation_text(kind: str, path) -> Path:
+def write_evaluation_text(kind: str, path, max_chars: int | None = None) -> Path:
     path = Path(path)
-    path.write_text(evaluation_text(kind), encoding="utf-8")
+    path.write_text(evaluation_text(kind, max_chars), encoding="utf-8")
+    return path
+
+
+def write_selection_text(kind: str, path, max_chars: int | None = None) -> Path:
+    """A kind's selection part, blank-line separated, for choices measured through llama.cpp (convert
+    --kv-budget). C4's documents come last first: the calibration fit consumes its slice from the start,
+    so a long-context chunk of the tail is text the maps were not fitted on."""
+    texts = kind_texts(kind, SELECTION)
+    if kind == "c4":
+        texts = texts[::-1]
+    path = Path(path)
+    path.write_text(_joined(texts, max_chars), encoding="utf-8")
     return path
 
 

@@ -18,7 +18,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from nbl_gguf.commands import flags
+from nbl_gguf.commands import flags, frontier
+from nbl_gguf.commands.model_files import nbl_by_convert, resolve_model_dir, work_dir
 from nbl_gguf.errors import NblError
 from nbl_gguf.measurement.bench import Candidate, ModelSet, check_models, measure
 from nbl_gguf.model_source import is_gguf_file
@@ -92,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=argparse.SUPPRESS)
     bench.add_argument("--output-dir", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+    frontier.add_arguments(parser.add_argument_group("frontier (--frontier)"))
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -157,14 +159,6 @@ def check_meaningful(args, explicit: bool) -> None:
             if getattr(args, name) != "auto":
                 refuse(f"--{name} {getattr(args, name)}", "here: nothing runs in PyTorch (no calibration to make "
                        "and no --hf-compare)")
-
-
-def work_dir(args) -> Path:
-    if args.work_dir:
-        return Path(args.work_dir)
-    from nbl_gguf.models import cache_dir
-
-    return cache_dir() / "bench"
 
 
 def _parse_layers(text: str | None) -> dict[int, list[int]]:
@@ -270,49 +264,6 @@ def gguf_models(args, log) -> ModelSet:
                     commands=[f"{model.path} as given (the stock side)"] + commands)
 
 
-def nbl_by_convert(args, model: str, directory: Path, suffix: str, extra: list[str], log) -> tuple[list, list[str]]:
-    """(an NBL-m Candidate per --m, the convert commands): `convert --model MODEL` per m into ``directory``
-    (kept and reused), the first making the one calibration that the others reuse."""
-    from nbl_gguf.commands import convert
-
-    calibration = Path(args.calibration) if args.calibration else directory / "calibration"
-    if args.calibration and not calibration.is_dir():
-        raise NblError(f"--calibration {calibration}: no such artifact directory")
-    tag = "" if not args.calibration else f"-cal{abs(_stable_hash(str(calibration.resolve()))) % 100000:05d}"
-    paths = {m: directory / f"nbl-m{m}{tag}{suffix}.gguf" for m in args.m}
-    commands = {}
-    # the largest m first: the calibration's measured selection (best, the default) goes to the m it was
-    # made for, and a smaller m is a prefix of it
-    for m in sorted(set(args.m), reverse=True):
-        argv = ["--model", model, "--m", str(m), *extra, "-o", str(paths[m]), "--no-progress", "--seed", str(args.seed)]
-        if calibration.is_dir():
-            argv += ["--calibration", str(calibration)]
-        else:
-            argv += ["--save-calibration", str(calibration), "--device", args.device]
-            if args.dtype != "auto":
-                argv += ["--dtype", args.dtype]
-            if args.calib_nsamples:
-                argv += ["--nsamples", str(args.calib_nsamples)]
-            if args.calib_seqlen:
-                argv += ["--seqlen", str(args.calib_seqlen)]
-        if args.threads:
-            argv += ["--threads", str(args.threads)]
-        commands[m] = "python -m nbl_gguf convert " + " ".join(argv)
-        if not paths[m].is_file():
-            log(f"{Path(model).name}: {commands[m]}")
-            parser = argparse.ArgumentParser()
-            convert.add_arguments(parser)
-            summary = convert.convert(parser.parse_args(argv))
-            log(summary.table())
-    return [Candidate(f"nbl-m{m}", paths[m]) for m in args.m], list(commands.values())
-
-
-def _stable_hash(text: str) -> int:
-    import zlib
-
-    return zlib.crc32(text.encode("utf-8"))
-
-
 def resolve_models(args, log=print) -> ModelSet:
     if args.baseline is not None or args.nbl is not None:
         models = explicit_models(args)
@@ -323,17 +274,6 @@ def resolve_models(args, log=print) -> ModelSet:
     else:
         models = embedded_models(args, log)
     return check_models(models)  # missing / not a GGUF / not a pair -> NblError
-
-
-def resolve_model_dir(model: str | None) -> Path:
-    """A local HF folder for ``model``: the embedded default, a folder, or a hub snapshot (for the
-    commands that take no GGUF file)."""
-    from nbl_gguf.model_source import is_gguf_file, resolve_model
-
-    if is_gguf_file(model):
-        raise NblError(f"--model {model} is a file: this command takes a HF model folder or a hub id "
-                       f"(calibrate, convert and eval --sweep take GGUF files)")
-    return resolve_model(model).hf_folder()
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -347,6 +287,9 @@ def run(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    if args.frontier:
+        return frontier.run_frontier(args)
+    frontier.check_arguments(args)
     apply_presets(args)
     out = check_output_dir(args.output, "-o")  # before minutes of measuring, not after
     backends, devices = resolve_backends(args.backends)

@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from nbl_gguf.calibration.calibrate import Settings, selection_budget
@@ -39,6 +40,10 @@ DEFAULT_QUANT = "q4_k_m"
 EVAL_CTX = 512
 EVAL_CHUNKS = 8
 SUMMARY_CTX = 4096  # the summary's KV cache figures: at this context, and at the model's training context
+# --kv-budget's measurement: llama-perplexity of each candidate at this context (or the budget's, if shorter),
+# one chunk of each kind's selection text (a KV type's loss grows with the context: 512 tokens cannot see it)
+BUDGET_CTX = 4096
+BUDGET_CHUNKS = 1
 # what the calibration takes from convert's own flags as they are (the rest: calibration_settings)
 CALIBRATION_FLAGS = flags.group_names(flags.add_dataset_arguments, flags.add_compute_arguments,
                                       flags.add_selection_arguments) + ("batch_size", "method", "seed", "no_progress",
@@ -81,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "llama-perplexity (default: theirs)")
     flags.add_seed(parser, "the calibration and llama-imatrix")
     flags.add_no_progress(parser)
+    parser.add_argument("--kv-budget", default=None, metavar="SIZE",
+                        help="the KV cache budget at --ctx-size (e.g. 640MiB, 1.5GiB): convert chooses the KV type "
+                             "(f16, q8_0, q4_0) and m, each type with the fewest layers that fit, by measured held-out "
+                             "perplexity at a long context (the stock file with a quantized cache among them)")
     parser.add_argument("--no-eval", action="store_true",
                         help="skip the held-out perplexity of the stock and NBL files (llama-perplexity)")
     parser.add_argument("--eval-chunks", type=int, default=EVAL_CHUNKS,
@@ -125,16 +134,18 @@ def calibration_settings(args, directory: Path, model, taps: int) -> Settings:
     return settings
 
 
-def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args) -> dict:
+def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args, kv_type: str = "f16") -> dict:
     """{kind: llama-perplexity of the stock and the NBL file} on the first chunks of each bundled kind's
     evaluation part (C4 web text, Python docs, Python code: text never calibrated or selected on)."""
     from nbl_gguf.calibration.dataset import KINDS, write_evaluation_text
     from nbl_gguf.llamacpp.perplexity import perplexity
 
+    cache = [] if kv_type == "f16" else ["-ctk", kv_type, "-ctv", kv_type]  # both files with the file's cache type
     measured = {}
     for kind in KINDS:
         text = write_evaluation_text(kind, tmp / f"heldout-{kind}.txt")
-        results = {name: perplexity(path, text, n_ctx=EVAL_CTX, chunks=args.eval_chunks, threads=args.threads)
+        results = {name: perplexity(path, text, n_ctx=EVAL_CTX, chunks=args.eval_chunks, threads=args.threads,
+                                    extra=cache)
                    for name, path in (("stock", stock), ("nbl", nbl))}
         measured[kind] = {"tokens": results["nbl"].tokens, "chunks": results["nbl"].chunks, "ctx": EVAL_CTX,
                           "stock": results["stock"].ppl, "nbl": results["nbl"].ppl}
@@ -220,6 +231,9 @@ def convert(args) -> Summary:
                                output.resolve().parent, quantized=quant not in FLOAT_TYPES)
     if args.nbl_type is not None and method == "attn-nbl":
         nbl_format.parse_weight_type(args.nbl_type, hidden)
+    budget = check_kv_budget(args, source, n_layer) if args.kv_budget is not None else None
+    if budget is not None:
+        args = argparse.Namespace(**(vars(args) | {"m": budget.most_layers}))  # the calibration goes that far
     m, _ = selection_budget(args.m, args.max_ppl_increase)
     if m is not None and not 0 <= m <= n_layer:
         raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
@@ -266,16 +280,7 @@ def convert(args) -> Summary:
             if artifact_hidden is not None and int(artifact_hidden) != hidden:
                 raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
             selected = chosen_layers(artifact, args, method, n_layer, taps)
-            scores, scores_criterion = recorded_scores(artifact, args.criterion)
-            layer_type = nbl_format.DROPPED if method == "attn-drop" else nbl_format.TAPS if taps > 1 else nbl_format.LINEAR
-            types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
-            linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
-            past = taps_maps(artifact, selected, taps) if layer_type == nbl_format.TAPS else {}
-            if past:
-                method = "attn-taps"  # what the file's nbl.method and the summary say
-            layers = nbl_format.NblLayers(types=types, linear=linear, taps=past, method=method, criterion=args.criterion,
-                                          scores=scores, scores_criterion=scores_criterion,
-                                          calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
+            layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
         if not args.calibration:
             # the calibration's own stages, measured inside it (layers, selection, ...)
             meter.merge(artifact.report.get("resources", {}), prefix="calibrate: ")
@@ -303,16 +308,28 @@ def convert(args) -> Summary:
                                            threads=args.threads)
                 stock_float.unlink()
 
+        kv_type, budget_report = args.kv_type, None
+        if budget is not None:
+            # 3a. the KV budget: each cache type's fewest layers, measured through llama.cpp
+            with stage("KV budget"):
+                chosen, budget_report = choose_for_budget(budget, artifact, args, source, method, n_layer, taps,
+                                                          stock_final, imatrix, tmp)
+            selected, kv_type = list(chosen.layers), chosen.kv_type
+            layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
+
         # 3. the surgery: the replaced layers' attention out, their maps in
         with stage("NBL surgery"):
-            weights = nbl_format.weight_types(stock_final, layers, args.nbl_type, imatrix=imatrix)
-            writer(args.runtime)(stock_final, output, layers, weight_type=weights)
-            notes = gguf_notes(source.gguf, weights, args.nbl_type, args.runtime) if source.gguf is not None \
-                else weight_notes(weights, args.nbl_type)
+            if selected:
+                weights = surgery(stock_final, output, layers, args, imatrix)
+                notes = gguf_notes(source.gguf, weights, args.nbl_type, args.runtime) if source.gguf is not None \
+                    else weight_notes(weights, args.nbl_type)
+            else:  # the budget's winner is the stock file with a quantized cache: it is the output as it is
+                copy_atomically(stock_final, output)
+                notes = [f"no layer replaced: the stock file with a {kv_type} KV cache measured best within the budget"]
         heldout = None
         if not args.no_eval:
             with stage("held-out perplexity"):
-                heldout = heldout_perplexities(stock_final, output, tmp, args)
+                heldout = heldout_perplexities(stock_final, output, tmp, args, kv_type)
         progress.close()
         _default_permissions(output)
 
@@ -321,15 +338,143 @@ def convert(args) -> Summary:
         contexts = sorted({SUMMARY_CTX, max(SUMMARY_CTX, training_context(stock_reader) or 0)})
         if args.ctx_size:  # the context the selection reported its saving at
             contexts = sorted({SUMMARY_CTX, args.ctx_size})
-        kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types) for n_ctx in contexts}
+        types = layers.types
+        kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types, type_k=kv_type, type_v=kv_type) for n_ctx in contexts}
         return Summary(heldout=heldout, notes=notes,
-            model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=method,
+            # attn-taps where the maps read past tokens: what nbl.method says
+            model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=layers.method,
             criterion=args.criterion, n_layer=n_layer, replaced=selected,
-            scores=scores if scores_criterion == args.criterion else None,
+            scores=layers.scores if layers.scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
-            kv=kv, output=output, runtime=args.runtime, resources=meter.stages,
+            kv=kv, kv_type=kv_type, budget=budget_report, output=output, runtime=args.runtime, resources=meter.stages,
             taps_state_bytes=(taps_state(gguf.GGUFReader(output), types) or {}).get("state_bytes_per_sequence", 0),
         )
+
+
+def nbl_layers(artifact, args, source, method: str, n_layer: int, taps: int, selected: list[int]):
+    """The nbl_format.NblLayers of the file: ``selected`` replaced by the artifact's maps of ``method``."""
+    from nbl_gguf.gguf import nbl_format
+
+    scores, scores_criterion = recorded_scores(artifact, args.criterion)
+    layer_type = nbl_format.DROPPED if method == "attn-drop" else nbl_format.TAPS if taps > 1 else nbl_format.LINEAR
+    types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
+    linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
+    past = taps_maps(artifact, selected, taps) if layer_type == nbl_format.TAPS else {}
+    return nbl_format.NblLayers(types=types, linear=linear, taps=past, method="attn-taps" if past else method,
+                                criterion=args.criterion, scores=scores, scores_criterion=scores_criterion,
+                                calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
+
+
+def surgery(stock: Path, output: Path, layers, args, imatrix) -> dict:
+    """The NBL file from the (quantized) stock file; the NBL weights' types."""
+    from nbl_gguf.gguf import nbl_format
+
+    weights = nbl_format.weight_types(stock, layers, args.nbl_type, imatrix=imatrix)
+    writer(args.runtime)(stock, output, layers, weight_type=weights)
+    return weights
+
+
+# --- --kv-budget ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KvBudget:
+    bytes: int
+    n_ctx: int  # the context the budget holds at
+    model: object  # kv_cache.KvModel of the stock model
+    most_layers: int  # the calibration's m: no cache type needs more layers than this to fit
+    eval_ctx: int  # the long context the candidates are measured at
+
+
+def check_kv_budget(args, source, n_layer: int) -> KvBudget:
+    """--kv-budget: parsed, its companions checked, and refused by name when nothing can meet it (before
+    any calibration)."""
+    import json as _json
+
+    from nbl_gguf import kv_cache
+    from nbl_gguf.measurement import kv_budget
+
+    if args.m is not None:
+        raise NblError(f"--m {args.m} and --kv-budget: the budget chooses m (leave --m out)")
+    if args.kv_type != "f16":
+        raise NblError(f"--kv-type {args.kv_type} and --kv-budget: the budget chooses the KV type among "
+                       f"{', '.join(kv_budget.KV_TYPES)} (leave --kv-type out)")
+    if args.calibration:
+        raise NblError("--kv-budget measures its candidates on a calibration made to their depth: leave out "
+                       "--calibration")
+    size = kv_budget.parse_size(args.kv_budget)
+    if source.gguf is not None:
+        import gguf
+
+        from nbl_gguf.gguf.inspect import stock_kv_model, training_context
+
+        reader = gguf.GGUFReader(source.gguf.path)
+        model, trained = stock_kv_model(reader), training_context(reader)
+    else:
+        config = _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
+        model, trained = kv_cache.model_from_config(config), kv_cache.training_context_from_config(config)
+    n_ctx = args.ctx_size or trained or SUMMARY_CTX
+    most = kv_budget.check_reachable(model, n_ctx, size, n_layer - 1)
+    if most == 0:
+        raise NblError(f"--kv-budget {args.kv_budget} at {n_ctx:,} tokens is met by the stock model as it is "
+                       f"({kv_budget._mib(kv_budget.kv_bytes(model, n_ctx, 'f16'))} with an F16 cache): "
+                       f"nothing to replace")
+    return KvBudget(size, n_ctx, model, most, min(BUDGET_CTX, n_ctx, trained or n_ctx))
+
+
+def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer, taps, stock: Path, imatrix,
+                      tmp: Path):
+    """(the winning kv_budget.Candidate, the summary's report): each cache type's candidate made (the stock
+    file itself for m = 0) and measured."""
+    from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, write_selection_text
+    from nbl_gguf.measurement import kv_budget
+
+    order = {}
+    for m in range(budget.most_layers + 1):  # each m's layers, as the normal path would choose them
+        order[m] = chosen_layers(artifact, argparse.Namespace(**(vars(args) | {"m": m})), method, n_layer, taps)
+    found = []
+    for kv_type in kv_budget.KV_TYPES:
+        for m, layers in order.items():
+            size = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_type, layers)
+            if size <= budget.bytes:
+                found.append(kv_budget.Candidate(kv_type, tuple(layers), size))
+                break
+    if not found:
+        deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order[budget.most_layers])
+        raise NblError(f"--kv-budget {args.kv_budget} at {budget.n_ctx:,} tokens: the layers the calibration chose "
+                       f"reach {kv_budget._mib(deepest)} at the least ({kv_budget.KV_TYPES[-1]} cache, "
+                       f"{budget.most_layers} layers replaced); raise the budget")
+    files = {}
+    for candidate in found:
+        if candidate.m == 0:
+            files[candidate] = stock
+            continue
+        path = files[candidate] = tmp / f"budget-m{candidate.m}.gguf"
+        if not path.is_file():
+            surgery(stock, path, nbl_layers(artifact, args, source, method, n_layer, taps, list(candidate.layers)),
+                    args, imatrix)
+    # enough for the chunks at any tokenizer's length of token (llama-perplexity wants 2 x ctx tokens)
+    chars = CHARS_PER_TOKEN_BOUND * 2 * budget.eval_ctx * BUDGET_CHUNKS
+    texts = {kind: write_selection_text(kind, tmp / f"budget-{kind}.txt", chars) for kind in KINDS}
+    base, measured = kv_budget.measure(stock, files, texts, budget.eval_ctx, BUDGET_CHUNKS, args.threads)
+    report = {"bytes": budget.bytes, "n_ctx": budget.n_ctx, "eval_ctx": budget.eval_ctx, "chunks": BUDGET_CHUNKS,
+              "stock_ppl": base,
+              "candidates": [{"label": r.candidate.label, "kv_type": r.candidate.kv_type, "m": r.candidate.m,
+                              "layers": list(r.candidate.layers), "kv_bytes": r.candidate.kv_bytes,
+                              "perplexity": r.perplexity, "change_pct": r.change_pct} for r in measured]}
+    return measured[0].candidate, report
+
+
+def copy_atomically(source: Path, target: Path) -> None:
+    import shutil
+
+    from nbl_gguf.outputs import atomic_output
+
+    tmp = atomic_output(target)
+    try:
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _default_permissions(path: Path) -> None:

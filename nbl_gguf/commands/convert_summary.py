@@ -29,6 +29,8 @@ class Summary:
     notes: list[str] = field(default_factory=list)  # printed under the table
     resources: dict = field(default_factory=dict)  # usage.StageMeter.stages of the run
     taps_state_bytes: int = 0  # what llama.cpp keeps per sequence for the taps layers (F32), 0 without
+    kv_type: str = "f16"  # the cache type of the KV rows, and of the flags to run the file with
+    budget: dict | None = None  # convert --kv-budget's candidates, as measured (choose_for_budget's report)
 
     def table(self) -> str:
         from nbl_gguf.gguf.inspect import human_bytes
@@ -43,7 +45,8 @@ class Summary:
              change(self.stock_bytes, self.nbl_bytes)),
         ]
         for n_ctx, (stock, nbl) in self.kv.items():
-            rows.append((f"KV cache at {n_ctx:,} tokens (F16)", human_bytes(stock.bytes), human_bytes(nbl.bytes),
+            rows.append((f"KV cache at {n_ctx:,} tokens ({self.kv_type.upper()})", human_bytes(stock.bytes),
+                         human_bytes(nbl.bytes),
                          change(stock.bytes, nbl.bytes)))
             if "sliding" in stock.caches:
                 # llama.cpp keeps two caches: the window's cells for the sliding layers, every token for the others
@@ -74,10 +77,33 @@ class Summary:
             worst = max(self.heldout, key=lambda kind: self.heldout[kind]["nbl"] / self.heldout[kind]["stock"])
             lines.append(f"  worst kind of text: {KINDS[worst].label}, "
                          f"{change(self.heldout[worst]['stock'], self.heldout[worst]['nbl'])}")
+        lines += self.budget_lines()
         lines += [f"  {note}" for note in self.notes]
         lines.append(f"  layout: {RUNTIMES[self.runtime]}")
         lines.append(f"  output: {self.output}")
+        if self.kv_type != "f16":
+            # llama.cpp cannot read a cache type from the file: the user passes it each run
+            flags = f"-ctk {self.kv_type} -ctv {self.kv_type}"
+            lines.append(f"  run with: llama-cli -m {self.output} {flags} (llama-cpp-python: type_k, type_v = "
+                         f"GGML_TYPE_{self.kv_type.upper()})")
         return "\n".join(lines)
+
+
+    def budget_lines(self) -> list[str]:
+        """What --kv-budget measured: each cache type's fewest layers within the budget, best first."""
+        if not self.budget:
+            return []
+        from nbl_gguf.gguf.inspect import human_bytes
+
+        b = self.budget
+        lines = [f"  KV budget {human_bytes(b['bytes'])} at {b['n_ctx']:,} tokens: each KV type with the fewest layers "
+                 f"that fit, by held-out perplexity at {b['eval_ctx']:,} tokens ({b['chunks']} chunk of each kind's "
+                 f"selection text) against stock with an F16 cache:"]
+        width = max(len(c["label"]) for c in b["candidates"])
+        for index, c in enumerate(b["candidates"]):
+            lines.append(f"    {c['label']:<{width}}  KV {human_bytes(c['kv_bytes']):>11}  {c['change_pct']:+7.2f}%"
+                         + ("  <- chosen" if index == 0 else ""))
+        return lines
 
 
 def resources_table(stages: dict) -> str:

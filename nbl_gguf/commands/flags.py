@@ -134,7 +134,20 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--ctx-size", type=positive_int, default=None, metavar="N",
                         help="context at which the selection reports the KV cache its layers save, as llama.cpp "
                              "allocates it (default: the model's training context, llama-cli's default)")
+    parser.add_argument("--kv-type", type=kv_type, default="f16", metavar="TYPE",
+                        help="the KV cache type the file will run with (llama.cpp's -ctk/-ctv): f16 (default, as "
+                             "llama.cpp), q8_0 or q4_0; the KV figures are given at it")
 
+
+
+KV_TYPES = ("f16", "q8_0", "q4_0")
+
+
+def kv_type(text: str) -> str:
+    """--kv-type: a KV cache type that llama.cpp's CPU and CUDA backends both run with flash attention."""
+    if text.lower() not in KV_TYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(KV_TYPES)}, got {text!r}")
+    return text.lower()
 
 
 def taps_count(text: str):

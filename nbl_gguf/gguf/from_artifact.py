@@ -55,7 +55,7 @@ def check_taps(args, source, method: str, hidden: int | None = None, device: str
     tokens = nsamples * args.seqlen if nsamples is not None and getattr(args, "seqlen", None) else None
     if args.taps == "auto":
         fits = (args.runtime == "nbl" and method == "attn-nbl" and not getattr(args, "whole_model", False)
-                and _architecture(source) in nbl_format.TAPS_ARCHITECTURES)
+                and gguf_architecture(source) in nbl_format.TAPS_ARCHITECTURES)
         cheap = device.startswith("cuda") or hidden is None or hidden <= AUTO_TAPS_CPU_MAX_WIDTH
         enough = tokens is None or hidden is None or tokens > DEFAULT_TAPS * hidden
         return DEFAULT_TAPS if fits and cheap and enough else 1
@@ -72,7 +72,7 @@ def check_taps(args, source, method: str, hidden: int | None = None, device: str
         raise NblError(f"--taps {taps} writes taps layers, which keep the inputs of earlier tokens in a state per "
                        f"sequence: stock llama.cpp's deci layers cannot, so use --runtime nbl (the patched llama.cpp) "
                        f"or --taps 1")
-    arch = _architecture(source)
+    arch = gguf_architecture(source)
     if arch not in nbl_format.TAPS_ARCHITECTURES:
         raise NblError(f"--taps {taps}: the patched llama.cpp builds taps layers for "
                        f"{', '.join(nbl_format.TAPS_ARCHITECTURES)} models, and {source.name} is a '{arch}' model; "
@@ -80,7 +80,7 @@ def check_taps(args, source, method: str, hidden: int | None = None, device: str
     return taps
 
 
-def _architecture(source) -> str | None:
+def gguf_architecture(source) -> str | None:
     """The GGUF architecture of --model (for a HF folder, the one the converter will write: the adapter
     table's)."""
     from nbl_gguf import models

@@ -63,7 +63,27 @@ def normalize_quant(name: str) -> str:
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, quant: str, *, imatrix: str | os.PathLike | None = None,
              threads: int | None = None, extra_args: Iterable[str] = ()) -> Path:
     """``llama-quantize [--imatrix FILE] src dst TYPE [threads]``; ``dst`` appears only once complete."""
-    qtype = normalize_quant(quant)
+    args, cwd = [*extra_args], None
+    if imatrix is not None:
+        # llama-quantize records the imatrix path in the GGUF: run next to it and pass the bare
+        # name, so that the bytes do not depend on a temp dir's random name
+        imatrix = Path(imatrix).resolve()
+        cwd = str(imatrix.parent)
+        args += ["--imatrix", imatrix.name]
+    return _llama_quantize(src, dst, normalize_quant(quant), args, cwd=cwd, threads=threads)
+
+
+def prune_blocks(src: str | os.PathLike, dst: str | os.PathLike, blocks: Iterable[int], *,
+                 threads: int | None = None) -> Path:
+    """``llama-quantize --prune-layers B,... src dst COPY``: the file without those decoder blocks, every
+    other tensor's bytes kept (llama.cpp's own layer pruning, a baseline of ours)."""
+    blocks = sorted(set(int(b) for b in blocks))
+    if not blocks:
+        raise NblError("no blocks to prune")
+    return _llama_quantize(src, dst, "COPY", ["--prune-layers", ",".join(map(str, blocks))], threads=threads)
+
+
+def _llama_quantize(src, dst, qtype: str, args: list[str], *, cwd=None, threads: int | None = None) -> Path:
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise NblError(f"{src} does not exist")
@@ -71,15 +91,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, quant: str, *, imat
         raise NblError("llama-quantize must not overwrite its input")
     tmp = atomic_output(dst)
     try:
-        args = [*extra_args]
-        cwd = None
-        if imatrix is not None:
-            # llama-quantize records the imatrix path in the GGUF: run next to it and pass the bare
-            # name, so that the bytes do not depend on a temp dir's random name
-            imatrix = Path(imatrix).resolve()
-            cwd = str(imatrix.parent)
-            args += ["--imatrix", imatrix.name]
-        args += [str(src.resolve()), str(tmp.resolve()), qtype]
+        args = [*args, str(src.resolve()), str(tmp.resolve()), qtype]
         if threads:
             args.append(str(threads))
         run_tool("llama-quantize", args, cwd=cwd)

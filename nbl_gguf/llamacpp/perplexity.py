@@ -85,8 +85,9 @@ def run_perplexity_tool(model: str | os.PathLike, args: Sequence[str], parse, *,
 
 
 def perplexity(model, text_file, *, n_ctx: int = DEFAULT_CTX, chunks: int | None = None, batch: int | None = None,
-               threads: int | None = None) -> Perplexity:
-    args = ["-f", str(text_file), "-c", str(n_ctx), "--ppl-output-type", "1"]
+               threads: int | None = None, extra: Sequence[str] = ()) -> Perplexity:
+    """``extra``: more llama-perplexity flags, e.g. the KV cache type (-ctk q8_0 -ctv q8_0)."""
+    args = ["-f", str(text_file), "-c", str(n_ctx), "--ppl-output-type", "1", *extra]
     if chunks:
         args += ["--chunks", str(chunks)]
     if batch:

@@ -1,0 +1,294 @@
+"""`bench --frontier`: the files of one model's frontier, made once and kept under the work dir, then
+measured side by side (the measurement, tables and plot: nbl_gguf.measurement.frontier).
+
+The variants, each with an F16 KV cache unless named:
+- stock: the file at its type (a GGUF --model as given; a HF folder converted and quantized to --quant),
+  and with KV q8_0 and q4_0 (--kv-types);
+- llama.cpp's weight-type knob: one step down the ladder of llama-quantize types and, where the source
+  has the bits for it (a HF folder or a float GGUF), one step up;
+- llama.cpp's layer pruning: `llama-quantize --prune-layers` of the N blocks ShortGPT's block influence
+  (1 - cos of a block's input and output, recorded by the calibration) ranks least important;
+- ours: `convert` at each --m with past-token maps and with per-token maps (each kind of map with its own
+  calibration, whose measured selection holds for its maps only), each also with KV q8_0 and q4_0.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from nbl_gguf.commands import flags
+from nbl_gguf.errors import NblError
+
+DEFAULT_M = (4, 8, 12)
+DEFAULT_KV_TYPES = ("q8_0", "q4_0")
+LONG_CTX = 4096
+FRONTIER_DEPTHS = (0, 4096)
+
+
+def add_arguments(group) -> None:
+    group.add_argument("--frontier", action="store_true",
+                       help="the frontier of one --model against llama.cpp's own knobs: stock with KV q8_0/q4_0, a "
+                            "weight type down and up, --prune-layers, NBL files at each --m (default 4,8,12) with "
+                            "past-token and per-token maps, each with those KV types; held-out perplexity at 512 "
+                            "and a long context, KV bytes, llama-bench; markdown, CSV and a plot under -o")
+    group.add_argument("--kv-types", default=",".join(DEFAULT_KV_TYPES),
+                       help=f"--frontier: KV cache types besides f16 (default: {','.join(DEFAULT_KV_TYPES)})")
+    group.add_argument("--prune-blocks", type=int, default=None, metavar="N",
+                       help="--frontier: blocks that the --prune-layers baseline removes (default: the smallest --m; "
+                            "0: none)")
+    group.add_argument("--long-ctx", type=int, default=None,
+                       help=f"--frontier: the long perplexity context (default: {LONG_CTX}, or the training context "
+                            f"if smaller)")
+    group.add_argument("-c", "--ctx-size", type=flags.positive_int, default=None, metavar="N",
+                       help="--frontier: the context the KV bytes are given at (default: the training context)")
+    group.add_argument("--ppl-chunks", type=_chunks, default=(4, 1), metavar="SHORT,LONG",
+                       help="--frontier: perplexity chunks per kind of text at 512 and at the long context "
+                            "(default: 4,1)")
+
+
+def _chunks(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    try:
+        short, long = (int(p) for p in parts)
+    except ValueError:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected SHORT,LONG chunk counts, got {text!r}") from None
+    return short, long
+
+
+def check_arguments(args) -> None:
+    """What --frontier takes and refuses, before any work."""
+    if not args.frontier:
+        for name, default in (("prune_blocks", None), ("long_ctx", None), ("ctx_size", None), ("ppl_chunks", (4, 1)),
+                              ("kv_types", ",".join(DEFAULT_KV_TYPES))):
+            if getattr(args, name) != default:
+                raise NblError(f"--{name.replace('_', '-')} means nothing without --frontier")
+        return
+    for flag, given in (("--baseline/--nbl", args.baseline is not None or args.nbl is not None),
+                        ("--shape", args.shape is not None), ("--quick", args.quick),
+                        ("--hf-compare", args.hf_compare), ("--calibration", args.calibration is not None)):
+        if given:
+            why = " (it makes one calibration per kind of map)" if flag == "--calibration" else ""
+            raise NblError(f"{flag} means nothing with --frontier{why}")
+    if args.layers is not None:
+        raise NblError("--layers means nothing with --frontier: the calibration chooses the layers")
+    if args.model is None:
+        raise NblError("--frontier measures one model: give --model (a HF folder, a hub id, 'embedded' or a GGUF file)")
+
+
+def kv_types(text: str) -> list[str]:
+    from nbl_gguf.kv_cache import CACHE_TYPES
+
+    types = [t.strip().lower() for t in text.split(",") if t.strip()]
+    for t in types:
+        if t not in CACHE_TYPES:
+            raise NblError(f"--kv-types: unknown KV cache type '{t}' (use {', '.join(CACHE_TYPES)})")
+    return [t for t in dict.fromkeys(types) if t != "f16"]
+
+
+# --- the files -------------------------------------------------------------------------------------------
+
+def stock_ladder(model_dir: Path, quants: list[str], directory: Path, threads, log) -> dict[str, Path]:
+    """{type: the stock file of a HF folder at that type}: one F32 conversion, quantized to each type."""
+    from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
+    from nbl_gguf.gguf.quantize import FLOAT_TYPES, quantize
+
+    paths = {q: directory / f"stock-{q.lower()}.gguf" for q in quants}
+    missing = [q for q, p in paths.items() if not p.is_file()]
+    if missing:
+        intermediate = directory / ".stock-f32.gguf"
+        log(f"{model_dir.name}: stock conversion, then llama-quantize {', '.join(missing)}")
+        try:
+            convert_hf_to_gguf(model_dir, intermediate, "f32")
+            for q in missing:
+                if q in FLOAT_TYPES:
+                    convert_hf_to_gguf(model_dir, paths[q], q.lower())
+                else:
+                    quantize(intermediate, paths[q], q, threads=threads)
+        finally:
+            intermediate.unlink(missing_ok=True)
+    return paths
+
+
+def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
+    """(model name, the frontier's Variants in table order, how the files were made, notes)."""
+    from nbl_gguf.commands.model_files import nbl_by_convert, work_dir
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf.from_artifact import AUTO_TAPS_CPU_MAX_WIDTH, DEFAULT_TAPS, gguf_architecture
+    from nbl_gguf.models import resolve_device
+    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, model_shape
+    from nbl_gguf.gguf.nbl_format import SUPPORTED_ARCHITECTURES, TAPS_ARCHITECTURES
+    from nbl_gguf.gguf.quantize import check_quant, prune_blocks, quantize
+    from nbl_gguf.measurement.frontier import FLOAT_TYPES, KNOB, NBL, STOCK, Variant, neighbour_types
+    from nbl_gguf.model_source import is_gguf_file, resolve_model
+
+    extra_kv = kv_types(args.kv_types)
+    notes, made = [], []
+    if is_gguf_file(args.model):
+        if args.quant is not None:
+            raise NblError(f"--quant {args.quant} means nothing for a GGUF --model: the stock side is "
+                           f"{Path(args.model).name} as it is")
+        source = resolve_model(args.model, runnable=SUPPORTED_ARCHITECTURES, calibrating=True)
+        gguf_file = source.gguf
+        n_layer, hidden = gguf_file.n_layer, gguf_file.n_embd
+        name, quant = gguf_file.path.stem, gguf_file.file_type.upper()
+        directory = work_dir(args) / "frontier" / "gguf" / gguf_file.sha256[:16] / name
+        directory.mkdir(parents=True, exist_ok=True)
+        stock = gguf_file.path
+        down, up = neighbour_types(quant)
+        if quant not in FLOAT_TYPES and up is not None:
+            notes.append(f"No weight type one step up: requantizing the {quant} file up ({up}) cannot bring back "
+                         f"what it lost, and the frontier has no float source for it.")
+            up = None
+        knob_files = {}
+        for q in (down, up):
+            if q is not None:
+                knob_files[q] = directory / f"stock-{q.lower()}.gguf"
+                if not knob_files[q].is_file():
+                    log(f"{name}: llama-quantize --allow-requantize {quant} -> {q}")
+                    quantize(stock, knob_files[q], q, threads=args.threads, extra_args=["--allow-requantize"])
+                made.append(f"llama-quantize --allow-requantize {stock.name} {knob_files[q].name} {q}")
+        model_arg, convert_extra, suffix = str(stock), [], ""
+        made.insert(0, f"{stock} as given (the stock side)")
+    else:
+        from nbl_gguf.commands.model_files import resolve_model_dir
+
+        model_dir = resolve_model_dir(args.model)
+        check_hf_folder(model_dir)
+        n_layer, hidden = model_shape(model_dir)
+        name, quant = model_dir.name, check_quant(args.quant or "q4_k_m").upper()
+        source = resolve_model(str(model_dir))
+        directory = work_dir(args) / "frontier" / "models" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        down, up = neighbour_types(quant)
+        ladder = stock_ladder(model_dir, [q for q in (quant, down, up) if q], directory, args.threads, log)
+        stock = ladder[quant]
+        knob_files = {q: ladder[q] for q in (down, up) if q}
+        made.append(f"convert_hf_to_gguf.py {model_dir} --outtype f32 && llama-quantize ... "
+                    f"{', '.join(ladder)} (one file each)")
+        model_arg, convert_extra, suffix = str(model_dir), ["--quant", quant], f"-{quant.lower()}"
+
+    m_list = sorted(set(args.m or DEFAULT_M))
+    for m in m_list:
+        if not 0 < m < n_layer:
+            raise NblError(f"--m {m} is out of range: {name} has {n_layer} layers")
+    prune = min(m_list) if args.prune_blocks is None else args.prune_blocks
+    if not 0 <= prune < n_layer:
+        raise NblError(f"--prune-blocks {prune} is out of range: {name} has {n_layer} blocks")
+    carries_taps = gguf_architecture(source) in TAPS_ARCHITECTURES
+    # as convert's --taps auto: not on a CPU above its width limit, where one layer's taps fit takes minutes
+    cheap = hidden <= AUTO_TAPS_CPU_MAX_WIDTH or resolve_device(args.device).startswith("cuda")
+    taps_list = args.taps or ([DEFAULT_TAPS, 1] if carries_taps and cheap else [1])
+    if not carries_taps and any(k > 1 for k in taps_list):
+        raise NblError(f"--taps {','.join(map(str, taps_list))}: {name} is a '{gguf_architecture(source)}' model, whose "
+                       f"files carry per-token maps only (--taps 1)")
+
+    variants = [Variant("stock", STOCK, stock, made_by=made[0])]
+    variants += [Variant(f"stock kv {t}", STOCK, stock, kv_type=t, made_by=made[0]) for t in extra_kv]
+    for q, path in knob_files.items():
+        variants.append(Variant(f"stock {q}", KNOB, path, made_by=f"llama-quantize to {q}"))
+
+    nbl_args = _with(args, m=m_list, calibration=None)
+    calibrations = {}
+    for k in taps_list:
+        kind = f"taps{k}" if k > 1 else "per-token"
+        (directory / kind).mkdir(exist_ok=True)
+        nbl, commands = nbl_by_convert(nbl_args, model_arg, directory / kind, suffix,
+                                       [*convert_extra, "--taps", str(k), "--no-eval"], log)
+        made += commands
+        calibrations[k] = directory / kind / "calibration"
+        for m, candidate in zip(m_list, nbl):
+            label = f"nbl-m{m}" + (f" taps{k}" if k > 1 else " per-token")
+            command = next(c for c in commands if f" --m {m} " in c)
+            variants.append(Variant(label, NBL, candidate.path, made_by=command))
+            variants += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=command) for t in extra_kv]
+
+    if prune:
+        influence = load_artifact(calibrations[taps_list[0]]).block_influence()
+        blocks = sorted(int(i) for i in influence.argsort(kind="stable")[:prune])
+        pruned = directory / f"stock-prune{prune}-{'-'.join(map(str, blocks))}.gguf"
+        if not pruned.is_file():
+            log(f"{name}: llama-quantize --prune-layers {','.join(map(str, blocks))}")
+            prune_blocks(stock, pruned, blocks, threads=args.threads)
+        command = f"llama-quantize --prune-layers {','.join(map(str, blocks))} {stock.name} {pruned.name} COPY"
+        made.append(command + " (the blocks of least ShortGPT block influence in the calibration)")
+        position = 1 + len(extra_kv) + len(knob_files)
+        variants.insert(position, Variant(f"stock prune {prune} blocks", KNOB, pruned, made_by=command))
+        notes.append(f"Pruned blocks (least ShortGPT block influence, 1 - cos of a block's input and output on "
+                     f"the calibration windows): {', '.join(map(str, blocks))}.")
+    return f"{name} {quant}", variants, made, notes
+
+
+def _with(args, **changes):
+    import argparse
+
+    return argparse.Namespace(**(vars(args) | changes))
+
+
+# --- the command ---------------------------------------------------------------------------------------
+
+def run_frontier(args) -> int:
+    import gguf
+
+    from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, write_evaluation_text
+    from nbl_gguf.gguf.inspect import training_context
+    from nbl_gguf.measurement import frontier
+    from nbl_gguf.measurement.bench_report import machine_description
+    from nbl_gguf.measurement.llama_bench import resolve_backends
+    from nbl_gguf.outputs import check_output_dir
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    check_arguments(args)
+    kv_types(args.kv_types)
+    out = check_output_dir(args.output, "-o")
+    backends, devices = resolve_backends(args.backends)
+    started = time.monotonic()
+    name, variants, made, notes = make_variants(args, log)
+    train_ctx = training_context(gguf.GGUFReader(variants[0].path)) or LONG_CTX
+    long_ctx = args.long_ctx or min(LONG_CTX, train_ctx)
+    settings = frontier.FrontierSettings(
+        short_chunks=args.ppl_chunks[0], long_ctx=long_ctx, long_chunks=args.ppl_chunks[1], kv_ctx=args.ctx_size or train_ctx,
+        depths=tuple(args.depths or FRONTIER_DEPTHS), n_prompt=512 if args.n_prompt is None else args.n_prompt,
+        n_gen=128 if args.n_gen is None else args.n_gen, repetitions=args.repetitions or 2, rounds=args.rounds or 1,
+        threads=args.threads, backends=tuple(backends), bench_args=tuple(args.bench_args.split()))
+    made_s = time.monotonic() - started
+    log(f"frontier of {name}: {len(variants)} variants on {', '.join(backends)}")
+    with tempfile.TemporaryDirectory(prefix="nbl-frontier-") as tmp:
+        tokens = max(2 * settings.short_ctx * settings.short_chunks, 2 * settings.long_ctx * settings.long_chunks)
+        texts = {kind: write_evaluation_text(kind, Path(tmp) / f"heldout-{kind}.txt", CHARS_PER_TOKEN_BOUND * tokens)
+                 for kind in KINDS}
+        rows, raw = frontier.measure(variants, texts, settings, log)
+    elapsed = time.monotonic() - started
+    notes = [f"Command: `python -m nbl_gguf {' '.join(sys.argv[1:])}`" if sys.argv[1:2] == ["bench"] else "",
+             f"Perplexity: llama-perplexity on the bundled held-out text of each kind (never calibrated or selected "
+             f"on), {settings.short_chunks} chunks of {settings.short_ctx} and {settings.long_chunks} of "
+             f"{settings.long_ctx} tokens per kind; the change is against the stock file with an F16 cache. "
+             f"KV: as llama.cpp allocates it at {settings.kv_ctx:,} tokens (llama-cli's settings). Speed: "
+             f"llama-bench -p {settings.n_prompt} -n {settings.n_gen} -r {settings.repetitions}, "
+             f"{settings.rounds} round(s), tokens/s (x: against stock).",
+             f"Frontier: no other variant has at most its mean change at {settings.long_ctx} tokens and at most its KV "
+             f"bytes (KV) or at least its decode speed at depth {max(settings.depths)} (decode).",
+             *notes,
+             f"Wall time: {elapsed / 60:.1f} min ({made_s / 60:.1f} min of it making the files). "
+             f"Machine: {_machine_line(machine_description(), devices)}."]
+    notes = [n for n in notes if n]
+    raw = raw | {"made_by": made, "machine": machine_description(), "elapsed_s": round(elapsed, 1),
+                 "making_files_s": round(made_s, 1)}
+    title = f"Frontier: {name} against llama.cpp's own knobs"
+    written = frontier.write_outputs(out, title, rows, settings, raw, notes, not args.no_plot)
+    print(frontier.markdown(title, rows, settings, notes))
+    print("written: " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _machine_line(machine: dict, devices: list[str]) -> str:
+    cpu = machine.get("lscpu", {}).get("Model name", "CPU")
+    simd = "/".join(machine.get("simd", []))
+    return f"{cpu}, {machine.get('cpu_count')} cores" + (f" ({simd})" if simd else "") + \
+        (f", devices {', '.join(devices)}" if devices else "")

@@ -1,0 +1,72 @@
+"""The GGUFs that `bench` and `bench --frontier` make from a --model and keep under the work dir: NBL files
+by `convert` (one calibration per kind of map, reused across m), and where they live."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nbl_gguf.errors import NblError
+from nbl_gguf.measurement.bench import Candidate
+
+
+def work_dir(args) -> Path:
+    if args.work_dir:
+        return Path(args.work_dir)
+    from nbl_gguf.models import cache_dir
+
+    return cache_dir() / "bench"
+
+
+def nbl_by_convert(args, model: str, directory: Path, suffix: str, extra: list[str], log) -> tuple[list, list[str]]:
+    """(an NBL-m Candidate per --m, the convert commands): `convert --model MODEL` per m into ``directory``
+    (kept and reused), the first making the one calibration that the others reuse."""
+    from nbl_gguf.commands import convert
+
+    calibration = Path(args.calibration) if args.calibration else directory / "calibration"
+    if args.calibration and not calibration.is_dir():
+        raise NblError(f"--calibration {calibration}: no such artifact directory")
+    tag = "" if not args.calibration else f"-cal{abs(_stable_hash(str(calibration.resolve()))) % 100000:05d}"
+    paths = {m: directory / f"nbl-m{m}{tag}{suffix}.gguf" for m in args.m}
+    commands = {}
+    # the largest m first: the calibration's measured selection (best, the default) goes to the m it was
+    # made for, and a smaller m is a prefix of it
+    for m in sorted(set(args.m), reverse=True):
+        argv = ["--model", model, "--m", str(m), *extra, "-o", str(paths[m]), "--no-progress", "--seed", str(args.seed)]
+        if calibration.is_dir():
+            argv += ["--calibration", str(calibration)]
+        else:
+            argv += ["--save-calibration", str(calibration), "--device", args.device]
+            if args.dtype != "auto":
+                argv += ["--dtype", args.dtype]
+            if args.calib_nsamples:
+                argv += ["--nsamples", str(args.calib_nsamples)]
+            if args.calib_seqlen:
+                argv += ["--seqlen", str(args.calib_seqlen)]
+        if args.threads:
+            argv += ["--threads", str(args.threads)]
+        commands[m] = "python -m nbl_gguf convert " + " ".join(argv)
+        if not paths[m].is_file():
+            log(f"{Path(model).name}: {commands[m]}")
+            parser = argparse.ArgumentParser()
+            convert.add_arguments(parser)
+            summary = convert.convert(parser.parse_args(argv))
+            log(summary.table())
+    return [Candidate(f"nbl-m{m}", paths[m]) for m in args.m], list(commands.values())
+
+
+def _stable_hash(text: str) -> int:
+    import zlib
+
+    return zlib.crc32(text.encode("utf-8"))
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """A local HF folder for ``model``: the embedded default, a folder, or a hub snapshot (for the
+    commands that take no GGUF file)."""
+    from nbl_gguf.model_source import is_gguf_file, resolve_model
+
+    if is_gguf_file(model):
+        raise NblError(f"--model {model} is a file: this command takes a HF model folder or a hub id "
+                       f"(calibrate, convert and eval --sweep take GGUF files)")
+    return resolve_model(model).hf_folder()

@@ -1,0 +1,129 @@
+"""`convert --kv-budget SIZE`: the KV cache type and the number of replaced layers that fit a KV budget at
+a context (``--ctx-size``) with the least measured loss.
+
+For each KV cache type llama.cpp runs (f16, q8_0, q4_0) the fewest layers of the calibration's own order
+that bring the cache, as llama.cpp allocates it, within the budget make one candidate; m = 0 is the stock
+file with that cache type, llama.cpp's own answer to the same budget. Each candidate file is measured by
+llama-perplexity with its cache type at a long context on held-out text of the three kinds that the
+summary's evaluation never sees (the selection parts), and the lowest mean change against the stock
+file with an F16 cache wins: a quantized cache and replaced layers are traded by what they cost, not by
+a rule.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from nbl_gguf.errors import NblError
+from nbl_gguf.kv_cache import Context, KvModel, kv_size
+
+KV_TYPES = ("f16", "q8_0", "q4_0")
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.I)
+
+
+def parse_size(text: str) -> int:
+    """'640MiB', '0.5G', '2 GB', '1048576' -> bytes (K, M, G, T are powers of 1024, as llama.cpp prints them)."""
+    match = _SIZE.match(str(text))
+    if not match or float(match.group(1)) <= 0:
+        raise NblError(f"--kv-budget {text!r}: expected a size such as 640MiB, 0.5GiB or 600000000 (bytes)")
+    power = " kmgt".index(match.group(2).lower() or " ")
+    return int(float(match.group(1)) * 1024 ** power)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kv_type: str
+    layers: tuple[int, ...]  # the replaced layers, a prefix of the calibration's order
+    kv_bytes: int
+
+    @property
+    def m(self) -> int:
+        return len(self.layers)
+
+    @property
+    def label(self) -> str:
+        what = f"NBL m = {self.m}" if self.m else "stock"
+        return f"{what}, KV {self.kv_type}"
+
+
+def kv_bytes(model: KvModel, n_ctx: int, kv_type: str, replaced=()) -> int:
+    return kv_size(model.without(replaced), Context(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type)).bytes
+
+
+def most_layers_needed(model: KvModel, n_ctx: int, budget: int, max_m: int) -> int | None:
+    """The most layers any order could need to meet ``budget`` with the largest cache type that can meet it
+    at all (the layers with the smallest caches replaced first: no order needs more), or None when
+    even the smallest cache type with ``max_m`` layers replaced misses it. Sizes the calibration before
+    its order is known."""
+    for kv_type in KV_TYPES:
+        per_layer = kv_size(model, Context(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type)).per_layer
+        smallest_first = sorted(range(len(per_layer)), key=lambda i: per_layer[i])
+        for m in range(max_m + 1):
+            if kv_bytes(model, n_ctx, kv_type, smallest_first[:m]) <= budget:
+                return m
+    return None
+
+
+def smallest_reachable(model: KvModel, n_ctx: int, max_m: int) -> int:
+    """The smallest cache any choice can reach: the smallest type with the ``max_m`` largest caches gone."""
+    kv_type = KV_TYPES[-1]
+    per_layer = kv_size(model, Context(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type)).per_layer
+    largest_first = sorted(range(len(per_layer)), key=lambda i: -per_layer[i])
+    return kv_bytes(model, n_ctx, kv_type, largest_first[:max_m])
+
+
+def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int) -> int:
+    """The layers the calibration must go to: most_layers_needed, or ``max_m`` where only some orders fit
+    (which ones the calibration decides); an NblError naming the smallest cache that can be reached when
+    no order does."""
+    smallest = smallest_reachable(model, n_ctx, max_m)
+    if budget < smallest:
+        raise NblError(f"--kv-budget {_mib(budget)} at {n_ctx:,} tokens cannot be met: the smallest KV cache reachable "
+                       f"is {_mib(smallest)} (a {KV_TYPES[-1]} cache with {max_m} of {len(model.layers)} layers "
+                       f"replaced); raise the budget or lower --ctx-size")
+    needed = most_layers_needed(model, n_ctx, budget, max_m)
+    return max_m if needed is None else needed
+
+
+def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int]) -> list[Candidate]:
+    """Per cache type, the shortest prefix of ``order`` whose cache fits the budget (none where no prefix does)."""
+    out = []
+    for kv_type in KV_TYPES:
+        for m in range(len(order) + 1):
+            size = kv_bytes(model, n_ctx, kv_type, order[:m])
+            if size <= budget:
+                out.append(Candidate(kv_type, tuple(sorted(order[:m])), size))
+                break
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:,.2f} MiB"
+
+
+@dataclass
+class Measured:
+    candidate: Candidate
+    perplexity: dict[str, float]  # kind -> llama-perplexity at the long context
+    change_pct: float  # mean over the kinds, against the stock file with an F16 cache
+
+
+def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int, chunks: int, threads, log=print):
+    """(the stock F16 perplexities, a Measured per candidate, best first)."""
+    from nbl_gguf.llamacpp.perplexity import perplexity
+
+    def run(path, kv_type):
+        extra = [] if kv_type == "f16" else ["-ctk", kv_type, "-ctv", kv_type]
+        return {kind: perplexity(path, text, n_ctx=n_ctx, chunks=chunks, threads=threads, extra=extra).ppl
+                for kind, text in texts.items()}
+
+    base = run(stock_path, "f16")
+    measured = []
+    for candidate, path in files.items():
+        ppl = run(path, candidate.kv_type)
+        change = sum(100 * (ppl[k] / base[k] - 1) for k in base) / len(base)
+        log(f"kv budget: {candidate.label}: {_mib(candidate.kv_bytes)}, held-out perplexity at {n_ctx} {change:+.2f}%")
+        measured.append(Measured(candidate, ppl, change))
+    measured.sort(key=lambda r: (r.change_pct, r.candidate.kv_bytes))
+    return base, measured

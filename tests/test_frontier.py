@@ -1,0 +1,162 @@
+"""`bench --frontier`: the Pareto marks against a sort-and-sweep reference, the weight-type ladder, the
+table's changes against hand arithmetic, argument errors, and a real run on a tiny GGUF whose KV bytes
+are held to what llama.cpp logs it allocated and whose pruned file has the calibration's least
+influential block removed."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nbl_gguf.cli import main
+from nbl_gguf.commands import bench
+from nbl_gguf.errors import NblError
+from nbl_gguf.measurement import frontier
+from nbl_gguf.measurement.frontier import FrontierSettings, Row, Variant
+
+
+def sweep_front(points):
+    """Reference skyline: sort by the first coordinate (then the second), keep a point when its second
+    coordinate is below every one seen before it; exact duplicates share their fate."""
+    order = sorted(range(len(points)), key=lambda i: points[i])
+    keep, best, previous = set(), float("inf"), None
+    for i in order:
+        if previous is not None and points[i] == points[previous] and previous in keep:
+            keep.add(i)
+        elif points[i][1] < best:
+            keep.add(i)
+        best = min(best, points[i][1])
+        previous = i
+    return [i in keep for i in range(len(points))]
+
+
+def test_pareto_marks_equal_a_sort_and_sweep_skyline():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n = int(rng.integers(1, 12))
+        # few distinct values: ties on one axis and exact duplicates happen often
+        points = [(float(rng.integers(0, 5)), float(rng.integers(0, 5))) for _ in range(n)]
+        assert frontier.pareto(points) == sweep_front(points), points
+
+
+def test_weight_type_ladder():
+    assert frontier.neighbour_types("Q4_K_M") == ("Q3_K_M", "Q5_K_M")
+    assert frontier.neighbour_types("q4_1") == ("Q4_K_M", "Q5_K_M")  # the embedded SmolLM2's type
+    assert frontier.neighbour_types("Q8_0") == ("Q6_K", None)
+    assert frontier.neighbour_types("Q2_K") == (None, "Q3_K_M")
+    assert frontier.neighbour_types("F32") == ("Q8_0", None)
+    with pytest.raises(NblError, match="no place for weight type IQ1_S"):
+        frontier.neighbour_types("IQ1_S")
+
+
+def _row(label, group, ppl_short, ppl_long, kv, tg, kv_type="f16"):
+    variant = Variant(label, group, Path(f"/x/{label}.gguf"), kv_type=kv_type)
+    return Row(variant, 1000, kv, perplexity={512: {"c4": ppl_short[0], "code": ppl_short[1]},
+                                              4096: {"c4": ppl_long[0], "code": ppl_long[1]}},
+               speed={"cpu tg d0": tg, "cpu tg d4096": tg / 2})
+
+
+def test_table_changes_and_fronts_by_hand(tmp_path):
+    settings = FrontierSettings(depths=(0, 4096), kv_ctx=8192)
+    rows = [_row("stock", frontier.STOCK, (10, 4), (8, 2), 100, 50),
+            _row("stock kv q8_0", frontier.STOCK, (10.1, 4), (8.08, 2.02), 53, 48, "q8_0"),
+            _row("nbl-m4", frontier.NBL, (11, 5), (9, 3), 80, 60),
+            _row("worse", frontier.KNOB, (20, 8), (16, 4), 100, 40)]
+    # mean change at 4096: stock 0; q8_0 (1% + 1%) / 2 = 1%; nbl (12.5% + 50%) / 2 = 31.25%; worse 100%
+    assert frontier.mean_change(rows[1], rows[0], 4096) == pytest.approx(1.0)
+    assert frontier.mean_change(rows[2], rows[0], 4096) == pytest.approx(31.25)
+    on = frontier.frontiers(rows, settings)
+    assert on["kv"] == [True, True, False, False]  # nbl: more loss and more KV than q8_0
+    assert on["decode"] == [True, False, True, False]  # nbl decodes fastest; q8_0 slower and worse than stock
+    header, cells = frontier.table(rows, settings)
+    assert cells[2][header.index("PPL code @4096")] == "3.000 (+50.0%)"
+    assert cells[2][header.index("mean change @4096")] == "+31.2%"
+    assert cells[1][header.index("run with")] == "-ctk q8_0 -ctv q8_0"
+    assert cells[2][header.index("cpu tg d4096")] == "30.0 (1.20x)"
+    assert cells[3][header.index("frontier")] == ""
+    written = frontier.write_outputs(tmp_path, "t", rows, settings, {}, ["note"], plot_it=True)
+    assert [p.name for p in written] == ["frontier.md", "frontier.csv", "results.json", "frontier.png"]
+    with open(tmp_path / "frontier.csv", encoding="utf-8") as handle:
+        table = list(csv.DictReader(handle))
+    assert [r["label"] for r in table] == ["stock", "stock kv q8_0", "nbl-m4", "worse"]
+    assert [r["kv_frontier"] for r in table] == ["1", "1", "0", "0"]
+    assert float(table[3]["mean_change_pct_4096"]) == pytest.approx(100.0)
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--frontier"], "--frontier measures one model: give --model"),
+    (["--frontier", "--shape", "llama-3.2-1b"], "--shape means nothing with --frontier"),
+    (["--frontier", "--model", "m.gguf", "--calibration", "x"], "--calibration means nothing with --frontier"),
+    (["--prune-blocks", "2", "--quick"], "--prune-blocks means nothing without --frontier"),
+    (["--ppl-chunks", "2,1", "--quick"], "--ppl-chunks means nothing without --frontier"),
+])
+def test_frontier_argument_errors(argv, message):
+    with pytest.raises(NblError, match=message):
+        from nbl_gguf.commands import frontier as command
+
+        command.check_arguments(_args(*argv))
+
+
+def test_unknown_kv_type_is_named():
+    from nbl_gguf.commands import frontier as command
+
+    with pytest.raises(NblError, match="unknown KV cache type 'q3_0'"):
+        command.kv_types("q8_0,q3_0")
+    assert command.kv_types("f16,q8_0,q8_0") == ["q8_0"]
+
+
+@pytest.mark.llama
+def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
+    """Every variant measured; the KV bytes of each row are what llama.cpp's allocator logs for the same
+    context; the pruned file lacks the block of least influence that the calibration recorded."""
+    pytest.importorskip("torch")
+    import gguf
+
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.fixtures.tiny import TinyLlama
+    from nbl_gguf.measurement.llama_bench import run_llama_bench
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    source = TinyLlama(n_layer=4, n_head=2, n_head_kv=1, n_ctx_train=1024).write_gguf(tmp_path / "tiny.gguf")
+    out, work = tmp_path / "results", tmp_path / "work"
+    assert main(["bench", "--frontier", "--model", str(source), "--m", "1,2", "--calib-nsamples", "8",
+                 "--calib-seqlen", "64", "--ppl-chunks", "1,1", "-p", "16", "-n", "4", "-d", "0,64", "-r", "1", "-t", "1",
+                 "--kv-types", "q8_0", "--work-dir", str(work), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "results.json").read_text())
+    labels = [r["label"] for r in result["rows"]]
+    assert labels == ["stock", "stock kv q8_0", "stock Q8_0", "stock prune 1 blocks",
+                      "nbl-m1 taps4", "nbl-m1 taps4 kv q8_0", "nbl-m2 taps4", "nbl-m2 taps4 kv q8_0",
+                      "nbl-m1 per-token", "nbl-m1 per-token kv q8_0", "nbl-m2 per-token", "nbl-m2 per-token kv q8_0"]
+    assert "| nbl-m2 taps4 kv q8_0 |" in printed and (out / "frontier.png").is_file()
+    assert result["settings"]["long_ctx"] == 1024 and result["settings"]["kv_ctx"] == 1024
+    rows = {r["label"]: r for r in result["rows"]}
+    for row in result["rows"]:
+        assert set(row["perplexity"]) == {"512", "1024"} and all(v > 1 for v in row["perplexity"]["1024"].values())
+        assert {"cpu pp d0", "cpu tg d0", "cpu pp d64", "cpu tg d64"} <= set(row["speed"])
+        # the KV bytes at a context llama-bench allocates (16 + 4 + 2000 tokens, 2048 cells) against its log,
+        # which prints K and V to 0.01 MiB each
+        records, _ = run_llama_bench(Path(row["path"]), n_prompt=16, n_gen=4, depth=2000, repetitions=1, threads=1,
+                                     backend="cpu", cache_type=row["kv_type"])
+        expected = frontier.kv_bytes(Path(row["path"]), row["kv_type"], 2020) / 2 ** 20
+        assert records[0]["kv_mib"] == pytest.approx(expected, abs=0.011), row["label"]
+    # a quantized cache is half the F16 one or less; the file without attention in 2 layers, half the stock's
+    assert rows["stock kv q8_0"]["kv_bytes"] < 0.54 * rows["stock"]["kv_bytes"]
+    assert rows["nbl-m2 taps4"]["kv_bytes"] == rows["stock"]["kv_bytes"] // 2
+    # the pruned file: llama-quantize --prune-layers of the lowest block influence
+    calibration = next(Path(work).rglob("taps4/calibration"))
+    weakest = int(np.argmin(load_artifact(calibration).block_influence()))
+    pruned = gguf.GGUFReader(rows["stock prune 1 blocks"]["path"])
+    assert int(pruned.fields["llama.block_count"].parts[-1][0]) == 3
+    assert f"--prune-layers {weakest} " in rows["stock prune 1 blocks"]["made_by"]

@@ -1,0 +1,129 @@
+"""`convert --kv-budget`: sizes parsed, each cache type's fewest layers against a brute-force search, a
+budget nothing meets refused by name before any work, and a real conversion of a tiny GGUF whose chosen
+file and cache type fit the budget as llama.cpp allocates it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from nbl_gguf.cli import main
+from nbl_gguf.errors import NblError
+from nbl_gguf.kv_cache import KvLayer, KvModel
+from nbl_gguf.measurement import kv_budget
+
+
+@pytest.mark.parametrize("text, expected", [("640MiB", 640 << 20), ("0.5G", 512 << 20), ("2 GB", 2 << 30),
+                                            ("1048576", 1 << 20), ("12k", 12 << 10), ("1.5 gib", 3 << 29)])
+def test_sizes(text, expected):
+    assert kv_budget.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1M", "0", "12 apples", "1.5 PB"])
+def test_bad_sizes_are_named(text):
+    with pytest.raises(NblError, match="--kv-budget .*expected a size"):
+        kv_budget.parse_size(text)
+
+
+def _model():
+    # uneven layers: two wide, two narrow, one sliding (its cache is the window's, not the context's)
+    layers = (KvLayer(256, 256), KvLayer(64, 64), KvLayer(256, 256, sliding=True), KvLayer(64, 64), KvLayer(128, 128))
+    return KvModel(layers=layers, window=256)
+
+
+def test_most_layers_needed_is_what_any_order_needs_at_most():
+    """Brute force over every order of the layers: per cache type, the most layers an order needs before
+    its prefix fits (an order that never fits within 4 layers: none); the calibration must go as far as
+    the largest of those that are finite, so that every type that surely fits has its candidate."""
+    model, n_ctx = _model(), 8192
+    for budget in (10 ** 5, 10 ** 6, 3 * 10 ** 6, 10 ** 7, 10 ** 8):
+        worst = {}
+        for kv_type in kv_budget.KV_TYPES:
+            needs = []
+            for order in itertools.permutations(range(5)):
+                fit = [m for m in range(5) if kv_budget.kv_bytes(model, n_ctx, kv_type, order[:m]) <= budget]
+                needs.append(fit[0] if fit else None)
+            if None not in needs:
+                worst[kv_type] = max(needs)
+        expected = max(worst.values()) if worst else None
+        assert kv_budget.most_layers_needed(model, n_ctx, budget, max_m=4) == expected, budget
+
+
+def test_candidates_are_the_shortest_fitting_prefix_of_each_type():
+    model, n_ctx, order = _model(), 8192, [3, 1, 4, 0]
+    budget = 3 * 10 ** 6
+    found = kv_budget.candidates(model, n_ctx, budget, order)
+    for candidate in found:
+        assert candidate.kv_bytes <= budget
+        assert candidate.layers == tuple(sorted(order[:candidate.m]))
+        if candidate.m:  # one layer fewer does not fit
+            assert kv_budget.kv_bytes(model, n_ctx, candidate.kv_type, order[:candidate.m - 1]) > budget
+    assert [c.kv_type for c in found] == [t for t in kv_budget.KV_TYPES
+                                          if kv_budget.kv_bytes(model, n_ctx, t, order) <= budget]
+
+
+def test_an_unreachable_budget_names_the_smallest_reachable():
+    model = _model()
+    smallest = kv_budget.smallest_reachable(model, 8192, 4)
+    # the smallest is the q4_0 cache of the one layer left when the 4 largest caches are gone
+    assert smallest == min(kv_budget.kv_bytes(model, 8192, "q4_0", [i for i in range(5) if i != keep])
+                           for keep in range(5))
+    with pytest.raises(NblError, match=f"cannot be met: the smallest KV cache reachable is {smallest / 2 ** 20:,.2f} MiB"):
+        kv_budget.check_reachable(model, 8192, smallest - 1, 4)
+    assert kv_budget.check_reachable(model, 8192, smallest, 4) == 4
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from nbl_gguf.fixtures.tiny import TinyLlama
+
+    # 4 layers with a K and a V row of 32 values: 128 KiB of F16 cache a layer at 1,024 tokens
+    return TinyLlama(n_layer=4, n_head=2, n_head_kv=1, n_ctx_train=1024).write_gguf(
+        tmp_path_factory.mktemp("budget") / "tiny.gguf")
+
+
+def test_bad_budgets_are_refused_before_any_work(tiny_gguf, tmp_path, capsys):
+    out = tmp_path / "out.gguf"
+    cases = [(["--kv-budget", "10KiB"], "cannot be met: the smallest KV cache reachable is 0.04 MiB"),
+             (["--kv-budget", "100MiB"], "is met by the stock model as it is"),
+             (["--kv-budget", "150KiB", "--m", "2"], "the budget chooses m"),
+             (["--kv-budget", "150KiB", "--kv-type", "q8_0"], "the budget chooses the KV type"),
+             (["--kv-budget", "lots"], "expected a size")]
+    for extra, message in cases:
+        assert main(["convert", "--model", str(tiny_gguf), *extra, "-o", str(out)]) == 2
+        assert message in capsys.readouterr().err
+        assert not out.exists()
+
+
+@pytest.mark.llama
+def test_convert_meets_the_budget_as_llama_cpp_allocates_it(tiny_gguf, tmp_path, monkeypatch, capsys):
+    import gguf
+
+    from nbl_gguf.gguf.inspect import file_layer_types
+    from nbl_gguf.measurement.llama_bench import run_llama_bench
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out.gguf"
+    # F16 needs 3 layers replaced (128 KiB), q8_0 2 (136 KiB), q4_0 none (144 KiB)
+    budget = 150 << 10
+    assert main(["convert", "--model", str(tiny_gguf), "--kv-budget", "150KiB", "--nsamples", "8", "--seqlen", "64",
+                 "--no-progress", "--threads", "1", "--eval-chunks", "1", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "KV budget 150.00 KiB at 1,024 tokens" in printed
+    lines = [line for line in printed.splitlines() if line.startswith("    NBL m = ") or line.startswith("    stock, KV")]
+    labels = {line.split("  KV ")[0].strip() for line in lines}
+    assert labels == {"NBL m = 3, KV f16", "NBL m = 2, KV q8_0", "stock, KV q4_0"}
+    chosen = next(line for line in lines if line.endswith("<- chosen"))
+    m, kv_type = int(chosen.split("m = ")[1].split(",")[0]) if "NBL" in chosen else 0, chosen.split("KV ")[1].split()[0]
+    types = file_layer_types(gguf.GGUFReader(out)) or [0] * 4
+    assert sum(t != 0 for t in types) == m
+    if m == 0:
+        assert out.read_bytes() == tiny_gguf.read_bytes()
+    else:
+        assert f"-ctk {kv_type}" in printed or kv_type == "f16"
+    # what llama.cpp allocates for the output at 1,024 tokens with the chosen cache type
+    records, _ = run_llama_bench(out, n_prompt=16, n_gen=8, depth=1000, repetitions=1, threads=1, backend="cpu",
+                                 cache_type=kv_type)
+    assert records[0]["kv_cells"] == 1024
+    assert records[0]["kv_mib"] * 2 ** 20 <= budget + 0.01 * 2 ** 20
