@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from nbl_gguf.commands import flags
@@ -114,64 +115,96 @@ def stock_ladder(model_dir: Path, quants: list[str], directory: Path, threads, l
     return paths
 
 
+@dataclass
+class StockSide:
+    """The model as the user has it, and llama.cpp's weight-type knobs on it."""
+
+    source: object  # model_source.ModelSource
+    name: str
+    quant: str  # the stock file's type
+    n_layer: int
+    hidden: int
+    directory: Path  # where this model's frontier files are kept
+    stock: Path
+    knobs: dict[str, Path]  # weight type -> the stock model at that type
+    made: list[str]  # how the files were made
+    notes: list[str]
+    convert_model: str  # what `convert --model` takes to make the NBL files of this model
+    convert_extra: list[str]  # and its other flags for them
+    suffix: str  # of the NBL files' names
+
+
+def gguf_side(args, log) -> StockSide:
+    """A GGUF --model: the file as given; one type down by requantizing it (none up: its bits are gone)."""
+    from nbl_gguf.commands.model_files import work_dir
+    from nbl_gguf.gguf.nbl_format import SUPPORTED_ARCHITECTURES
+    from nbl_gguf.gguf.quantize import quantize
+    from nbl_gguf.measurement.frontier import FLOAT_TYPES, neighbour_types
+    from nbl_gguf.model_source import resolve_model
+
+    if args.quant is not None:
+        raise NblError(f"--quant {args.quant} means nothing for a GGUF --model: the stock side is "
+                       f"{Path(args.model).name} as it is")
+    source = resolve_model(args.model, runnable=SUPPORTED_ARCHITECTURES, calibrating=True)
+    gguf_file = source.gguf
+    name, quant = gguf_file.path.stem, gguf_file.file_type.upper()
+    directory = work_dir(args) / "frontier" / "gguf" / gguf_file.sha256[:16] / name
+    directory.mkdir(parents=True, exist_ok=True)
+    stock, notes, made = gguf_file.path, [], [f"{gguf_file.path} as given (the stock side)"]
+    down, up = neighbour_types(quant)
+    if quant not in FLOAT_TYPES and up is not None:
+        notes.append(f"No weight type one step up: requantizing the {quant} file up ({up}) cannot bring back "
+                     f"what it lost, and the frontier has no float source for it.")
+        up = None
+    knobs = {}
+    for q in (down, up):
+        if q is not None:
+            knobs[q] = directory / f"stock-{q.lower()}.gguf"
+            if not knobs[q].is_file():
+                log(f"{name}: llama-quantize --allow-requantize {quant} -> {q}")
+                quantize(stock, knobs[q], q, threads=args.threads, extra_args=["--allow-requantize"])
+            made.append(f"llama-quantize --allow-requantize {stock.name} {knobs[q].name} {q}")
+    return StockSide(source, name, quant, gguf_file.n_layer, gguf_file.n_embd, directory, stock, knobs, made, notes,
+                     convert_model=str(stock), convert_extra=[], suffix="")
+
+
+def hf_side(args, log) -> StockSide:
+    """A HF --model: converted once to F32, quantized to --quant and the types one down and one up."""
+    from nbl_gguf.commands.model_files import resolve_model_dir, work_dir
+    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, model_shape
+    from nbl_gguf.gguf.quantize import check_quant
+    from nbl_gguf.measurement.frontier import neighbour_types
+    from nbl_gguf.model_source import resolve_model
+
+    model_dir = resolve_model_dir(args.model)
+    check_hf_folder(model_dir)
+    n_layer, hidden = model_shape(model_dir)
+    name, quant = model_dir.name, check_quant(args.quant or "q4_k_m").upper()
+    directory = work_dir(args) / "frontier" / "models" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    down, up = neighbour_types(quant)
+    ladder = stock_ladder(model_dir, [q for q in (quant, down, up) if q], directory, args.threads, log)
+    made = [f"convert_hf_to_gguf.py {model_dir} --outtype f32 && llama-quantize ... {', '.join(ladder)} (one file each)"]
+    return StockSide(resolve_model(str(model_dir)), name, quant, n_layer, hidden, directory, ladder[quant],
+                     {q: ladder[q] for q in (down, up) if q}, made, [],
+                     convert_model=str(model_dir), convert_extra=["--quant", quant], suffix=f"-{quant.lower()}")
+
+
 def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
     """(model name, the frontier's Variants in table order, how the files were made, notes)."""
-    from nbl_gguf.commands.model_files import nbl_by_convert, work_dir
     from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.commands.model_files import nbl_by_convert
     from nbl_gguf.gguf.from_artifact import AUTO_TAPS_CPU_MAX_WIDTH, DEFAULT_TAPS, gguf_architecture
+    from nbl_gguf.gguf.nbl_format import TAPS_ARCHITECTURES
+    from nbl_gguf.gguf.quantize import prune_blocks
+    from nbl_gguf.measurement.frontier import KNOB, NBL, STOCK, Variant
+    from nbl_gguf.model_source import is_gguf_file
     from nbl_gguf.models import resolve_device
-    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, model_shape
-    from nbl_gguf.gguf.nbl_format import SUPPORTED_ARCHITECTURES, TAPS_ARCHITECTURES
-    from nbl_gguf.gguf.quantize import check_quant, prune_blocks, quantize
-    from nbl_gguf.measurement.frontier import FLOAT_TYPES, KNOB, NBL, STOCK, Variant, neighbour_types
-    from nbl_gguf.model_source import is_gguf_file, resolve_model
 
     extra_kv = kv_types(args.kv_types)
-    notes, made = [], []
-    if is_gguf_file(args.model):
-        if args.quant is not None:
-            raise NblError(f"--quant {args.quant} means nothing for a GGUF --model: the stock side is "
-                           f"{Path(args.model).name} as it is")
-        source = resolve_model(args.model, runnable=SUPPORTED_ARCHITECTURES, calibrating=True)
-        gguf_file = source.gguf
-        n_layer, hidden = gguf_file.n_layer, gguf_file.n_embd
-        name, quant = gguf_file.path.stem, gguf_file.file_type.upper()
-        directory = work_dir(args) / "frontier" / "gguf" / gguf_file.sha256[:16] / name
-        directory.mkdir(parents=True, exist_ok=True)
-        stock = gguf_file.path
-        down, up = neighbour_types(quant)
-        if quant not in FLOAT_TYPES and up is not None:
-            notes.append(f"No weight type one step up: requantizing the {quant} file up ({up}) cannot bring back "
-                         f"what it lost, and the frontier has no float source for it.")
-            up = None
-        knob_files = {}
-        for q in (down, up):
-            if q is not None:
-                knob_files[q] = directory / f"stock-{q.lower()}.gguf"
-                if not knob_files[q].is_file():
-                    log(f"{name}: llama-quantize --allow-requantize {quant} -> {q}")
-                    quantize(stock, knob_files[q], q, threads=args.threads, extra_args=["--allow-requantize"])
-                made.append(f"llama-quantize --allow-requantize {stock.name} {knob_files[q].name} {q}")
-        model_arg, convert_extra, suffix = str(stock), [], ""
-        made.insert(0, f"{stock} as given (the stock side)")
-    else:
-        from nbl_gguf.commands.model_files import resolve_model_dir
-
-        model_dir = resolve_model_dir(args.model)
-        check_hf_folder(model_dir)
-        n_layer, hidden = model_shape(model_dir)
-        name, quant = model_dir.name, check_quant(args.quant or "q4_k_m").upper()
-        source = resolve_model(str(model_dir))
-        directory = work_dir(args) / "frontier" / "models" / name
-        directory.mkdir(parents=True, exist_ok=True)
-        down, up = neighbour_types(quant)
-        ladder = stock_ladder(model_dir, [q for q in (quant, down, up) if q], directory, args.threads, log)
-        stock = ladder[quant]
-        knob_files = {q: ladder[q] for q in (down, up) if q}
-        made.append(f"convert_hf_to_gguf.py {model_dir} --outtype f32 && llama-quantize ... "
-                    f"{', '.join(ladder)} (one file each)")
-        model_arg, convert_extra, suffix = str(model_dir), ["--quant", quant], f"-{quant.lower()}"
-
+    side = gguf_side(args, log) if is_gguf_file(args.model) else hf_side(args, log)
+    name, n_layer, directory, stock, made, notes = (side.name, side.n_layer, side.directory, side.stock,
+                                                    list(side.made), list(side.notes))
     m_list = sorted(set(args.m or DEFAULT_M))
     for m in m_list:
         if not 0 < m < n_layer:
@@ -179,17 +212,17 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
     prune = min(m_list) if args.prune_blocks is None else args.prune_blocks
     if not 0 <= prune < n_layer:
         raise NblError(f"--prune-blocks {prune} is out of range: {name} has {n_layer} blocks")
-    carries_taps = gguf_architecture(source) in TAPS_ARCHITECTURES
+    carries_taps = gguf_architecture(side.source) in TAPS_ARCHITECTURES
     # as convert's --taps auto: not on a CPU above its width limit, where one layer's taps fit takes minutes
-    cheap = hidden <= AUTO_TAPS_CPU_MAX_WIDTH or resolve_device(args.device).startswith("cuda")
+    cheap = side.hidden <= AUTO_TAPS_CPU_MAX_WIDTH or resolve_device(args.device).startswith("cuda")
     taps_list = args.taps or ([DEFAULT_TAPS, 1] if carries_taps and cheap else [1])
     if not carries_taps and any(k > 1 for k in taps_list):
-        raise NblError(f"--taps {','.join(map(str, taps_list))}: {name} is a '{gguf_architecture(source)}' model, whose "
+        raise NblError(f"--taps {','.join(map(str, taps_list))}: {name} is a '{gguf_architecture(side.source)}' model, whose "
                        f"files carry per-token maps only (--taps 1)")
 
     variants = [Variant("stock", STOCK, stock, made_by=made[0])]
     variants += [Variant(f"stock kv {t}", STOCK, stock, kv_type=t, made_by=made[0]) for t in extra_kv]
-    for q, path in knob_files.items():
+    for q, path in side.knobs.items():
         variants.append(Variant(f"stock {q}", KNOB, path, made_by=f"llama-quantize to {q}"))
 
     nbl_args = _with(args, m=m_list, calibration=None)
@@ -197,8 +230,8 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
     for k in taps_list:
         kind = f"taps{k}" if k > 1 else "per-token"
         (directory / kind).mkdir(exist_ok=True)
-        nbl, commands = nbl_by_convert(nbl_args, model_arg, directory / kind, suffix,
-                                       [*convert_extra, "--taps", str(k), "--no-eval"], log)
+        nbl, commands = nbl_by_convert(nbl_args, side.convert_model, directory / kind, side.suffix,
+                                       [*side.convert_extra, "--taps", str(k), "--no-eval"], log)
         made += commands
         calibrations[k] = directory / kind / "calibration"
         for m, candidate in zip(m_list, nbl):
@@ -216,11 +249,11 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
             prune_blocks(stock, pruned, blocks, threads=args.threads)
         command = f"llama-quantize --prune-layers {','.join(map(str, blocks))} {stock.name} {pruned.name} COPY"
         made.append(command + " (the blocks of least ShortGPT block influence in the calibration)")
-        position = 1 + len(extra_kv) + len(knob_files)
+        position = 1 + len(extra_kv) + len(side.knobs)
         variants.insert(position, Variant(f"stock prune {prune} blocks", KNOB, pruned, made_by=command))
         notes.append(f"Pruned blocks (least ShortGPT block influence, 1 - cos of a block's input and output on "
                      f"the calibration windows): {', '.join(map(str, blocks))}.")
-    return f"{name} {quant}", variants, made, notes
+    return f"{name} {side.quant}", variants, made, notes
 
 
 def _with(args, **changes):
