@@ -75,6 +75,11 @@ def _run(argv: list[str] | None) -> tuple[int, signal.Signals | None]:
     except NblError as error:
         print(f"nbl_gguf {name}: error: {error}", file=sys.stderr)
         return 2, None
+    except BrokenPipeError:
+        # the reader went away (`inspect FILE | head`): stop quietly, as a command-line tool that SIGPIPE
+        # ends would; stdout goes to devnull so that the interpreter's last flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE, None
     except KeyboardInterrupt:
         # every write is atomic and every temp file is removed while the interrupt unwinds: say so
         # in one line instead of a traceback through whatever was running

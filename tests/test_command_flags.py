@@ -188,3 +188,24 @@ def test_save_calibration_means_nothing_with_a_calibration(tmp_path):
         convert(convert_args(calibration="cal", save_calibration=str(tmp_path / "keep"),
                              output=str(tmp_path / "out.gguf")))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_closed_pipe_ends_a_command_quietly(tmp_path):
+    """`inspect FILE | head`: the reader gone before the command writes, the command ends with SIGPIPE's
+    status (128 + 13) and no traceback, as other command-line tools do."""
+    import os
+    import subprocess
+    import sys
+
+    from nbl_gguf.fixtures.tiny import TinyLlama
+
+    model = TinyLlama().write_gguf(tmp_path / "tiny.gguf")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command has written anything
+    try:
+        done = subprocess.run([sys.executable, "-m", "nbl_gguf", "inspect", str(model)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 141

@@ -93,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=argparse.SUPPRESS)
     bench.add_argument("--output-dir", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+    flags.add_no_progress(bench)
     frontier.add_arguments(parser.add_argument_group("frontier (--frontier)"))
 
 

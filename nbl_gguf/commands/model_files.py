@@ -32,7 +32,9 @@ def nbl_by_convert(args, model: str, directory: Path, suffix: str, extra: list[s
     # the largest m first: the calibration's measured selection (best, the default) goes to the m it was
     # made for, and a smaller m is a prefix of it
     for m in sorted(set(args.m), reverse=True):
-        argv = ["--model", model, "--m", str(m), *extra, "-o", str(paths[m]), "--no-progress", "--seed", str(args.seed)]
+        argv = ["--model", model, "--m", str(m), *extra, "-o", str(paths[m]), "--seed", str(args.seed)]
+        if args.no_progress:
+            argv.append("--no-progress")
         if calibration.is_dir():
             argv += ["--calibration", str(calibration)]
         else:
