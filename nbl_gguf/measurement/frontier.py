@@ -262,7 +262,8 @@ def _mib(n: int) -> str:
 
 def markdown(title: str, rows: list[Row], settings: FrontierSettings, notes: list[str]) -> str:
     header, cells = table(rows, settings)
-    lines = [f"# {title}", ""] + notes + ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [f"# {title}", ""] + [f"- {note}" for note in notes] + ["", "| " + " | ".join(header) + " |",
+                                                                    "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in line) + " |" for line in cells]
     return "\n".join(lines) + "\n"
 
