@@ -79,7 +79,8 @@ class Summary:
                          f"{change(self.heldout[worst]['stock'], self.heldout[worst]['nbl'])}")
         lines += self.budget_lines()
         lines += [f"  {note}" for note in self.notes]
-        lines.append(f"  layout: {RUNTIMES[self.runtime]}")
+        lines.append(f"  layout: {RUNTIMES[self.runtime]}" if self.replaced else
+                     "  layout: the stock file itself, no layer replaced: any llama.cpp runs it")
         lines.append(f"  output: {self.output}")
         if self.kv_type != "f16":
             # llama.cpp cannot read a cache type from the file: the user passes it each run
