@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from nbl_gguf.commands import flags, frontier
-from nbl_gguf.commands.model_files import nbl_by_convert, resolve_model_dir, work_dir
+from nbl_gguf.commands.model_files import nbl_by_convert, resolve_model_dir, stock_ladder, work_dir
 from nbl_gguf.errors import NblError
 from nbl_gguf.measurement.bench import Candidate, ModelSet, check_models, measure
 from nbl_gguf.model_source import is_gguf_file
@@ -56,8 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--layers", default=None,
                         help="--shape only: explicit NBL layers per m, e.g. '6:9,10,11,12,13,14' (default: the m "
                              "layers before the last)")
-    flags.add_taps_list(source, "--shape only: one NBL file per m and per count, 1 = per-token maps, K > 1 = taps "
-                                "layers reading K tokens (random maps of the calibrator's default form), e.g. 1,4 (default: 1)")
+    flags.add_taps_list(source, "--shape: one NBL file per m and per count, 1 = per-token maps, K > 1 = taps "
+                                "layers reading K tokens (random maps of the calibrator's default form), e.g. 1,4 "
+                                "(default: 1); --frontier: the kinds of map, one calibration each (default: 4,1 where "
+                                "the file can carry taps)")
     source.add_argument("--work-dir", default=None,
                         help="where generated GGUFs are kept and reused (default: ~/.cache/nbl-gguf/bench)")
     flags.add_seed(source, "a --shape model's weights and of --model's calibration")
@@ -212,8 +214,8 @@ def shape_models(args, log) -> ModelSet:
 
 def embedded_models(args, log) -> ModelSet:
     """Stock and NBL-m GGUFs of a HF model by `convert` (one calibration, made once or given)."""
-    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, convert_hf_to_gguf, model_shape
-    from nbl_gguf.gguf.quantize import FLOAT_TYPES, check_quant, quantize
+    from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, model_shape
+    from nbl_gguf.gguf.quantize import check_quant
 
     model_dir = resolve_model_dir(args.model)
     check_hf_folder(model_dir)
@@ -226,18 +228,7 @@ def embedded_models(args, log) -> ModelSet:
     directory.mkdir(parents=True, exist_ok=True)
     commands = []
 
-    stock = directory / f"stock-{quant.lower()}.gguf"
-    if not stock.is_file():
-        log(f"{model_dir.name}: stock conversion and llama-quantize {quant}")
-        intermediate = directory / ".stock-f32.gguf"
-        try:
-            convert_hf_to_gguf(model_dir, intermediate, "f32")
-            if quant in FLOAT_TYPES:
-                convert_hf_to_gguf(model_dir, stock, quant.lower())
-            else:
-                quantize(intermediate, stock, quant, threads=args.threads)
-        finally:
-            intermediate.unlink(missing_ok=True)
+    stock = stock_ladder(model_dir, [quant], directory, args.threads, log)[quant]
     commands.append(f"convert_hf_to_gguf.py {model_dir} --outtype f32 && llama-quantize ... {quant}  -> {stock}")
 
     nbl, converts = nbl_by_convert(args, str(model_dir), directory, f"-{quant.lower()}", ["--quant", quant], log)

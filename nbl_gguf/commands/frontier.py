@@ -93,28 +93,6 @@ def kv_types(text: str) -> list[str]:
 
 # --- the files -------------------------------------------------------------------------------------------
 
-def stock_ladder(model_dir: Path, quants: list[str], directory: Path, threads, log) -> dict[str, Path]:
-    """{type: the stock file of a HF folder at that type}: one F32 conversion, quantized to each type."""
-    from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
-    from nbl_gguf.gguf.quantize import FLOAT_TYPES, quantize
-
-    paths = {q: directory / f"stock-{q.lower()}.gguf" for q in quants}
-    missing = [q for q, p in paths.items() if not p.is_file()]
-    if missing:
-        intermediate = directory / ".stock-f32.gguf"
-        log(f"{model_dir.name}: stock conversion, then llama-quantize {', '.join(missing)}")
-        try:
-            convert_hf_to_gguf(model_dir, intermediate, "f32")
-            for q in missing:
-                if q in FLOAT_TYPES:
-                    convert_hf_to_gguf(model_dir, paths[q], q.lower())
-                else:
-                    quantize(intermediate, paths[q], q, threads=threads)
-        finally:
-            intermediate.unlink(missing_ok=True)
-    return paths
-
-
 @dataclass
 class StockSide:
     """The model as the user has it, and llama.cpp's weight-type knobs on it."""
@@ -170,7 +148,7 @@ def gguf_side(args, log) -> StockSide:
 
 def hf_side(args, log) -> StockSide:
     """A HF --model: converted once to F32, quantized to --quant and the types one down and one up."""
-    from nbl_gguf.commands.model_files import resolve_model_dir, work_dir
+    from nbl_gguf.commands.model_files import resolve_model_dir, stock_ladder, work_dir
     from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, model_shape
     from nbl_gguf.gguf.quantize import check_quant
     from nbl_gguf.measurement.frontier import neighbour_types

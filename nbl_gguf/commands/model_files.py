@@ -72,3 +72,25 @@ def resolve_model_dir(model: str | None) -> Path:
         raise NblError(f"--model {model} is a file: this command takes a HF model folder or a hub id "
                        f"(calibrate, convert and eval --sweep take GGUF files)")
     return resolve_model(model).hf_folder()
+
+
+def stock_ladder(model_dir: Path, quants: list[str], directory: Path, threads, log) -> dict[str, Path]:
+    """{type: the stock file of a HF folder at that type}: one F32 conversion, quantized to each type."""
+    from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
+    from nbl_gguf.gguf.quantize import FLOAT_TYPES, quantize
+
+    paths = {q: directory / f"stock-{q.lower()}.gguf" for q in quants}
+    missing = [q for q, p in paths.items() if not p.is_file()]
+    if missing:
+        intermediate = directory / ".stock-f32.gguf"
+        log(f"{model_dir.name}: stock conversion, then llama-quantize {', '.join(missing)}")
+        try:
+            convert_hf_to_gguf(model_dir, intermediate, "f32")
+            for q in missing:
+                if q in FLOAT_TYPES:
+                    convert_hf_to_gguf(model_dir, paths[q], q.lower())
+                else:
+                    quantize(intermediate, paths[q], q, threads=threads)
+        finally:
+            intermediate.unlink(missing_ok=True)
+    return paths
