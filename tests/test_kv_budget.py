@@ -127,3 +127,22 @@ def test_convert_meets_the_budget_as_llama_cpp_allocates_it(tiny_gguf, tmp_path,
                                  cache_type=kv_type)
     assert records[0]["kv_cells"] == 1024
     assert records[0]["kv_mib"] * 2 ** 20 <= budget + 0.01 * 2 ** 20
+
+
+def test_the_summary_gives_kv_and_run_flags_at_the_kv_type(tmp_path):
+    """convert --kv-type q8_0: the KV rows in that type's bytes (34 bytes a block of 32 values, against 64 in
+    F16) and the flags to run the file with."""
+    from nbl_gguf.commands.convert_summary import Summary
+    from nbl_gguf.kv_cache import Context, kv_size
+
+    model = KvModel(layers=tuple(KvLayer(64, 64) for _ in range(4)))
+    context = Context(n_ctx=4096, type_k="q8_0", type_v="q8_0")
+    stock, nbl = kv_size(model, context), kv_size(model.without([1]), context)
+    assert stock.bytes == 4 * 4096 * 2 * (64 // 32 * 34)
+    summary = Summary(model="m", quant="Q4_K_M", method="attn-nbl", criterion="best", n_layer=4, replaced=[1],
+                      scores=None, stock_bytes=1, nbl_bytes=1, kv={4096: (stock, nbl)}, output=tmp_path / "o.gguf",
+                      kv_type="q8_0")
+    table = summary.table()
+    assert "KV cache at 4,096 tokens (Q8_0)" in table
+    assert f"run with: llama-cli -m {tmp_path / 'o.gguf'} -ctk q8_0 -ctv q8_0" in table
+    assert "run with" not in Summary(**{**summary.__dict__, "kv_type": "f16"}).table()
