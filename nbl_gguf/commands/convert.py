@@ -140,12 +140,11 @@ def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args, kv_type: str =
     from nbl_gguf.calibration.dataset import KINDS, write_evaluation_text
     from nbl_gguf.llamacpp.perplexity import perplexity
 
-    cache = [] if kv_type == "f16" else ["-ctk", kv_type, "-ctv", kv_type]  # both files with the file's cache type
     measured = {}
     for kind in KINDS:
         text = write_evaluation_text(kind, tmp / f"heldout-{kind}.txt")
         results = {name: perplexity(path, text, n_ctx=EVAL_CTX, chunks=args.eval_chunks, threads=args.threads,
-                                    extra=cache)
+                                    cache_type=kv_type)  # both files with the file's cache type
                    for name, path in (("stock", stock), ("nbl", nbl))}
         measured[kind] = {"tokens": results["nbl"].tokens, "chunks": results["nbl"].chunks, "ctx": EVAL_CTX,
                           "stock": results["stock"].ppl, "nbl": results["nbl"].ppl}
@@ -416,7 +415,7 @@ def check_kv_budget(args, source, n_layer: int) -> KvBudget:
     most = kv_budget.check_reachable(model, n_ctx, size, n_layer - 1)
     if most == 0:
         raise NblError(f"--kv-budget {args.kv_budget} at {n_ctx:,} tokens is met by the stock model as it is "
-                       f"({kv_budget._mib(kv_budget.kv_bytes(model, n_ctx, 'f16'))} with an F16 cache): "
+                       f"({kv_budget.format_mib(kv_budget.kv_bytes(model, n_ctx, 'f16'))} with an F16 cache): "
                        f"nothing to replace")
     return KvBudget(size, n_ctx, model, most, min(BUDGET_CTX, n_ctx, trained or n_ctx))
 
@@ -428,20 +427,16 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, write_selection_text
     from nbl_gguf.measurement import kv_budget
 
-    order = {}
-    for m in range(budget.most_layers + 1):  # each m's layers, as the normal path would choose them
-        order[m] = chosen_layers(artifact, argparse.Namespace(**(vars(args) | {"m": m})), method, n_layer, taps)
-    found = []
-    for kv_type in kv_budget.KV_TYPES:
-        for m, layers in order.items():
-            size = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_type, layers)
-            if size <= budget.bytes:
-                found.append(kv_budget.Candidate(kv_type, tuple(layers), size))
-                break
+    # the order the layers join in as m grows, as the normal path chooses them (each m's set holds the last's)
+    order: list[int] = []
+    for m in range(1, budget.most_layers + 1):
+        layers = chosen_layers(artifact, argparse.Namespace(**(vars(args) | {"m": m})), method, n_layer, taps)
+        order += sorted(set(layers) - set(order))
+    found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order)
     if not found:
-        deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order[budget.most_layers])
+        deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order)
         raise NblError(f"--kv-budget {args.kv_budget} at {budget.n_ctx:,} tokens: the layers the calibration chose "
-                       f"reach {kv_budget._mib(deepest)} at the least ({kv_budget.KV_TYPES[-1]} cache, "
+                       f"reach {kv_budget.format_mib(deepest)} at the least ({kv_budget.KV_TYPES[-1]} cache, "
                        f"{budget.most_layers} layers replaced); raise the budget")
     files = {}
     for candidate in found:

@@ -140,11 +140,10 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 
-KV_TYPES = ("f16", "q8_0", "q4_0")
-
-
 def kv_type(text: str) -> str:
     """--kv-type: a KV cache type that llama.cpp's CPU and CUDA backends both run with flash attention."""
+    from nbl_gguf.measurement.kv_budget import KV_TYPES
+
     if text.lower() not in KV_TYPES:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(KV_TYPES)}, got {text!r}")
     return text.lower()

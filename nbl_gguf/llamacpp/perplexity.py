@@ -85,9 +85,11 @@ def run_perplexity_tool(model: str | os.PathLike, args: Sequence[str], parse, *,
 
 
 def perplexity(model, text_file, *, n_ctx: int = DEFAULT_CTX, chunks: int | None = None, batch: int | None = None,
-               threads: int | None = None, extra: Sequence[str] = ()) -> Perplexity:
-    """``extra``: more llama-perplexity flags, e.g. the KV cache type (-ctk q8_0 -ctv q8_0)."""
-    args = ["-f", str(text_file), "-c", str(n_ctx), "--ppl-output-type", "1", *extra]
+               threads: int | None = None, cache_type: str = "f16") -> Perplexity:
+    """``cache_type``: the KV cache's (-ctk/-ctv), llama.cpp's F16 by default."""
+    args = ["-f", str(text_file), "-c", str(n_ctx), "--ppl-output-type", "1"]
+    if cache_type != "f16":
+        args += ["-ctk", cache_type, "-ctv", cache_type]
     if chunks:
         args += ["--chunks", str(chunks)]
     if batch:

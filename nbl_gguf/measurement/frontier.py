@@ -25,7 +25,6 @@ from pathlib import Path
 
 from nbl_gguf.errors import NblError
 
-KV_TYPES = ("f16", "q8_0", "q4_0")  # llama.cpp's -ctk/-ctv choices that the frontier measures
 # llama-quantize types by bits per weight (llama.cpp's own table), for the weight-type knob one step down
 # and one up; the legacy types are placed by their bits so that a Q4_1 source finds its neighbours too
 TYPE_BITS = {"Q2_K": 2.63, "Q3_K_M": 3.91, "Q4_0": 4.5, "Q4_K_M": 4.85, "Q4_1": 5.0, "Q5_0": 5.5,
@@ -115,7 +114,7 @@ def measure_perplexity(variants: list[Variant], texts: dict[str, Path], settings
         started = time.monotonic()
         out[variant.label] = {
             ctx: {kind: perplexity(variant.path, text, n_ctx=ctx, chunks=chunks, threads=settings.threads,
-                                   extra=kv_flags(variant.kv_type))
+                                   cache_type=variant.kv_type)
                   for kind, text in texts.items()}
             for ctx, chunks in ((settings.short_ctx, settings.short_chunks), (settings.long_ctx, settings.long_chunks))}
         shown = ", ".join(f"{kind} {out[variant.label][settings.long_ctx][kind].ppl:.3f}" for kind in texts)

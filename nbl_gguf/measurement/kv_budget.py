@@ -79,8 +79,8 @@ def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int) -> int:
     no order does."""
     smallest = smallest_reachable(model, n_ctx, max_m)
     if budget < smallest:
-        raise NblError(f"--kv-budget {_mib(budget)} at {n_ctx:,} tokens cannot be met: the smallest KV cache reachable "
-                       f"is {_mib(smallest)} (a {KV_TYPES[-1]} cache with {max_m} of {len(model.layers)} layers "
+        raise NblError(f"--kv-budget {format_mib(budget)} at {n_ctx:,} tokens cannot be met: the smallest KV cache reachable "
+                       f"is {format_mib(smallest)} (a {KV_TYPES[-1]} cache with {max_m} of {len(model.layers)} layers "
                        f"replaced); raise the budget or lower --ctx-size")
     needed = most_layers_needed(model, n_ctx, budget, max_m)
     return max_m if needed is None else needed
@@ -98,7 +98,7 @@ def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int]) -> lis
     return out
 
 
-def _mib(n: int) -> str:
+def format_mib(n: int) -> str:
     return f"{n / 2 ** 20:,.2f} MiB"
 
 
@@ -114,8 +114,7 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
     from nbl_gguf.llamacpp.perplexity import perplexity
 
     def run(path, kv_type):
-        extra = [] if kv_type == "f16" else ["-ctk", kv_type, "-ctv", kv_type]
-        return {kind: perplexity(path, text, n_ctx=n_ctx, chunks=chunks, threads=threads, extra=extra).ppl
+        return {kind: perplexity(path, text, n_ctx=n_ctx, chunks=chunks, threads=threads, cache_type=kv_type).ppl
                 for kind, text in texts.items()}
 
     base = run(stock_path, "f16")
@@ -123,7 +122,7 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
     for candidate, path in files.items():
         ppl = run(path, candidate.kv_type)
         change = sum(100 * (ppl[k] / base[k] - 1) for k in base) / len(base)
-        log(f"kv budget: {candidate.label}: {_mib(candidate.kv_bytes)}, held-out perplexity at {n_ctx} {change:+.2f}%")
+        log(f"kv budget: {candidate.label}: {format_mib(candidate.kv_bytes)}, held-out perplexity at {n_ctx} {change:+.2f}%")
         measured.append(Measured(candidate, ppl, change))
     measured.sort(key=lambda r: (r.change_pct, r.candidate.kv_bytes))
     return base, measured
