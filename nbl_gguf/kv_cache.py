@@ -5,7 +5,8 @@ A model whose layers all attend to every token gets one cache of ``n_ctx`` cells
 rounded up to 256). A model with sliding-window layers (Gemma 2 and 3) gets two: the global layers
 cache every token of the context, the sliding ones only enough cells for the window plus one
 micro-batch, ``pad256(min(n_ctx, n_swa * sequences + n_ubatch))``, so at long contexts nearly all of
-the cache belongs to the global layers. A layer whose attention NBL replaced owns no cache at all
+the cache belongs to the global layers. Window layers that nbl-gguf chose (patches 0015-0018) are
+sliding ones with attention sinks: their cache holds the sinks too, ``(n_swa + sinks) * sequences``. A layer whose attention NBL replaced owns no cache at all
 (patch 0004). Each cell of a layer holds its K and V rows: ``n_head_kv * head_dim`` values each, in
 the cache type (F16 by default).
 
@@ -43,6 +44,7 @@ class KvLayer:
 class KvModel:
     layers: tuple[KvLayer, ...]
     window: int = 0  # n_swa, the sliding window in tokens; 0 when no layer slides
+    sinks: int = 0  # the first positions of a sequence that sliding layers keep too (nbl.window_sinks)
 
     def __post_init__(self):
         if any(layer.sliding for layer in self.layers) and self.window <= 0:
@@ -132,7 +134,7 @@ def cache_cells(model: KvModel, context: Context) -> dict[str, int]:
         # llama.cpp bounds the micro-batch by the batch and the batch by the context it was asked for
         n_ubatch = min(context.n_ubatch, context.n_batch, context.n_ctx)
         windows = context.n_seq_max if context.kv_unified else 1
-        out[SLIDING] = cells if context.swa_full else _pad(min(cells, model.window * windows + n_ubatch))
+        out[SLIDING] = cells if context.swa_full else _pad(min(cells, (model.window + model.sinks) * windows + n_ubatch))
     return out
 
 

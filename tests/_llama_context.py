@@ -14,9 +14,10 @@ class Context:
     """A llama.cpp context on raw batches: (token, position, sequence) items, logits for every item."""
 
     def __init__(self, path, n_seq_max: int = 2, n_ctx: int = 128, n_ubatch: int = 512, n_gpu_layers: int | None = None,
-                 kv_type: str = "f32"):
+                 kv_type: str = "f32", swa_full: bool = False):
         """``kv_type``: the cache type (-ctk/-ctv); F32 compares best with a float reference, and a
-        quantized cache needs flash attention, which this turns on for any other type."""
+        quantized cache needs flash attention, which this turns on for any other type. ``swa_full``
+        off, as in llama-cli (the C API's default is on): sliding-window layers cache only their window."""
         import llama_cpp
 
         self.lib = llama_cpp
@@ -30,6 +31,7 @@ class Context:
         params.type_k = params.type_v = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
         # off for F32, as llama-cpp-python's Llama: the CPU kernel rounds Q to F16
         params.flash_attn_type = 0 if kv_type == "f32" else 1
+        params.swa_full = swa_full
         params.op_offload = model_params.n_gpu_layers != 0  # a CPU model's large batches stay on the CPU
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         assert self.ctx
@@ -62,6 +64,9 @@ class Context:
 
     def pos_max(self, seq) -> int:
         return self.lib.llama_memory_seq_pos_max(self.memory, seq)
+
+    def pos_min(self, seq) -> int:
+        return self.lib.llama_memory_seq_pos_min(self.memory, seq)
 
     def save_seq(self, seq) -> bytes:
         size = self.lib.llama_state_seq_get_size(self.ctx, seq)

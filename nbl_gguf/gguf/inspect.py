@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 from nbl_gguf.calibration.artifact import CRITERIA
@@ -24,8 +25,10 @@ from nbl_gguf.gguf.nbl_format import (
     SCORES_KEY,
     TAPS,
     TAPS_KEY,
+    WINDOW,
     layer_of,
     read_layer_types,
+    read_windows,
 )
 from nbl_gguf.gguf.stock_layout import read_stock_layer_types
 
@@ -88,7 +91,8 @@ def _per_layer(value, n_layer: int) -> list[int]:
 # gives another p or one flag per layer
 SLIDING_WINDOW_RULES = {"gemma2": (4096, 2), "gemma3": (None, 6)}
 # every layer of these attends to the whole context in llama.cpp, whatever sliding_window key the file
-# carries (phi3 turns its window off; llama, qwen2 and smollm3 have none in llama.cpp)
+# carries (phi3 turns its window off; llama, qwen2 and smollm3 have none in llama.cpp), except the
+# window layers that a sliding_window_pattern array marks for the patched llama.cpp (llama, qwen2)
 FULL_ATTENTION_ARCHITECTURES = ("llama", "deci", "qwen2", "qwen3", "phi3", "smollm3")
 
 
@@ -96,6 +100,9 @@ def sliding_layers(reader) -> tuple[int, list[bool]]:
     """(window, whether each layer slides) as llama.cpp reads them from the file."""
     arch = str(_field(reader, "general.architecture"))
     n_layer = int(_field(reader, f"{arch}.block_count"))
+    windows = read_windows(reader)
+    if windows is not None:
+        return windows.size, windows.pattern(n_layer)
     if arch not in SLIDING_WINDOW_RULES:
         return 0, [False] * n_layer
     default_window, pattern = SLIDING_WINDOW_RULES[arch]
@@ -142,13 +149,17 @@ def kv_model(reader, layer_types=None) -> KvModel:
         cached = types is None or types[layer] == ATTENTION
         layers.append(KvLayer(k_width=n_head_kv[layer] * k, v_width=n_head_kv[layer] * v,
                               sliding=sliding[layer], cached=cached))
-    return KvModel(layers=tuple(layers), window=window)
+    windows = read_windows(reader)
+    return KvModel(layers=tuple(layers), window=window, sinks=windows.sinks if windows is not None else 0)
 
 
 def stock_kv_model(reader) -> KvModel:
     """The KV layout of the model before any layer was replaced."""
     arch = str(_field(reader, "general.architecture"))
     model = kv_model(reader, layer_types=[ATTENTION] * int(_field(reader, f"{arch}.block_count")))
+    if read_windows(reader) is not None:
+        # the window layers were full attention layers before
+        model = KvModel(layers=tuple(replace(layer, sliding=False) for layer in model.layers))
     if read_stock_layer_types(reader) is None:
         return model
     # the stock layout keeps no heads for replaced layers; llama-family models have the same heads in
@@ -280,12 +291,14 @@ def describe(path: str | os.PathLike, n_ctx: int | None = None) -> dict:
         n_ctx = training_context(reader) or DEFAULT_CTX
     size_stock, size_file = kv_sizes(reader, n_ctx)
     sliding = [layer.sliding for layer in kv_model(reader).layers]
+    windows = read_windows(reader)
     layers = []
     for layer in range(n_layer):
         layer_type = ATTENTION if types is None else int(types[layer])
         layers.append({
             "index": layer,
-            "type": LAYER_TYPE_NAMES.get(layer_type, str(layer_type)),
+            "type": WINDOW if windows is not None and layer in windows.layers
+                    else LAYER_TYPE_NAMES.get(layer_type, str(layer_type)),
             "sliding": sliding[layer],
             "score": None if scores is None else float(scores[layer]),
             # what the layer caches at n_ctx, and what its replacement freed
@@ -312,6 +325,8 @@ def describe(path: str | os.PathLike, n_ctx: int | None = None) -> dict:
         "layers": layers,
         "replaced": {name: sum(1 for e in layers if e["type"] == name) for name in ("linear", "dropped", "taps")},
         "taps": taps_state(reader, types),
+        "windows": None if windows is None else {"layers": list(windows.layers), "size": windows.size,
+                                                 "sinks": windows.sinks},
         "attention_layers": attention_layers,
         "kv_bytes_per_token": {"stock": kv_stock, "file": kv_file, **(
             {"file_flash_attention_off": stock_layout_kv_without_flash_attention(reader)}
@@ -362,11 +377,14 @@ def kv_lines(info: dict) -> list[str]:
     out = [f"KV cache:      {human_bytes(file['bytes'])} at {kv['n_ctx']:,} tokens ({source}) vs stock "
            f"{human_bytes(stock['bytes'])} ({change(stock['bytes'], file['bytes'])})"]
     if "sliding" in file["caches"]:
-        for name, what in (("global", "global layers"), ("sliding", f"sliding-window layers (window {kv['window']:,})")):
-            mine, theirs = file["caches"][name], stock["caches"][name]
-            out.append(f"               {what}: {mine['layers']} of {theirs['layers']} cache {mine['cells']:,} cells: "
-                       f"{human_bytes(mine['k_bytes'] + mine['v_bytes'])} (stock "
-                       f"{human_bytes(theirs['k_bytes'] + theirs['v_bytes'])})")
+        sinks = f" + {info['windows']['sinks']} sinks" if info.get("windows") else ""
+        for name, what in (("global", "global layers"), ("sliding", f"sliding-window layers (window {kv['window']:,}{sinks})")):
+            mine, theirs = file["caches"][name], stock["caches"].get(name)
+            # the layers of the stock model that a window file made window layers were global ones there
+            stock_part = "" if theirs is None else (f" of {theirs['layers']}", f" (stock {human_bytes(theirs['k_bytes'] + theirs['v_bytes'])})")
+            of, was = stock_part or ("", "")
+            out.append(f"               {what}: {mine['layers']}{of} cache {mine['cells']:,} cells: "
+                       f"{human_bytes(mine['k_bytes'] + mine['v_bytes'])}{was}")
     else:
         per_token = info["kv_bytes_per_token"]
         out.append(f"               {per_token['file']:,} bytes per token vs stock {per_token['stock']:,}")
@@ -499,6 +517,8 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
     out.append(f"model:         {info['name'] or '?'}  (architecture {info['architecture']}, file type {info['file_type']}, "
                f"{info['block_count']} layers, n_embd {info['embedding_length']})")
     runs = "yes" if info["stock_llama_cpp_runs_it"] else "no (needs the patched llama.cpp)"
+    if info["stock_llama_cpp_runs_it"] and info.get("windows"):
+        runs += " (its window layers then attend to every token: the patched llama.cpp bounds their cache)"
     out.append(f"layout:        {info['layout']}; a stock llama.cpp build runs it: {runs}")
     if info["nbl"]:
         rep = info["replaced"]
@@ -508,6 +528,10 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
         if taps is not None:
             out.append(f"taps:          each taps layer reads {taps['taps']} tokens; state {taps['state_bytes_per_sequence']:,} "
                        f"bytes per sequence (F32: {taps['layers']} layers x {taps['taps'] - 1} x n_embd x 4)")
+        windows = info["windows"]
+        if windows is not None:
+            out.append(f"windows:       {len(windows['layers'])} layers attend to the last {windows['size']:,} tokens and "
+                       f"the first {windows['sinks']} (sinks): layers {', '.join(map(str, windows['layers']))}")
         out.append(f"method:        {info['method'] or '?'}    criterion: {info['criterion'] or '?'}")
         out += calibration_lines(info["calibration"])
         out.append(f"scores:        {scores_line(info)}")

@@ -25,6 +25,12 @@ LAYER_TYPE_NAMES = {ATTENTION: "attention", LINEAR: "linear", DROPPED: "dropped"
 LAYER_TYPES_KEY = "{arch}.nbl.layer_types"
 TAPS_KEY = "{arch}.nbl.taps"  # uint32: tokens a taps layer reads (the same for every taps layer)
 MAX_TAPS = 64  # LLAMA_NBL_MAX_TAPS of the patched llama.cpp
+# window layers: attention over the last W tokens and the first S (the sinks), in upstream's keys where
+# they exist; the layer type stays ATTENTION (the layer keeps its attention tensors)
+SLIDING_WINDOW_KEY = "{arch}.attention.sliding_window"  # uint32: W, the same for every window layer
+SLIDING_WINDOW_PATTERN_KEY = "{arch}.attention.sliding_window_pattern"  # bool[block_count]: the window layers
+WINDOW_SINKS_KEY = "{arch}.nbl.window_sinks"  # uint32: S, the first positions every window layer keeps
+WINDOW = "window"  # the layer-type name `inspect` and the plan give a window layer
 # provenance, for `inspect` and for people; llama.cpp does not read these
 METHOD_KEY = "nbl.method"
 CRITERION_KEY = "nbl.criterion"
@@ -51,6 +57,9 @@ ATTENTION_TENSOR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
 # those whose graph also builds taps layers (llm_arch_supports_nbl_taps)
 TAPS_ARCHITECTURES = ("llama", "qwen2")
+# those whose loader reads the window layers of a file and whose graph builds them with the iSWA cache
+# (gemma2 and gemma3 have sliding windows of their own, which the file's keys already set)
+WINDOW_ARCHITECTURES = ("llama", "qwen2")
 FLOAT_WEIGHT_TYPES = ("F32", "F16", "BF16")
 # W's type when the one it would inherit (its layer's attn_output) cannot hold an n_embd x n_embd
 # matrix: q8_0 keeps W within about 0.5% at a quarter of F32's bytes; F16 when even its blocks do not fit
@@ -61,6 +70,35 @@ FALLBACK_WEIGHT_TYPES = ("Q8_0", "F16")
 # Below MIN_WEIGHT_BITS per weight, W takes the first of RAISED_WEIGHT_TYPES that holds its rows.
 MIN_WEIGHT_BITS = 5.5
 RAISED_WEIGHT_TYPES = ("Q5_K", "Q5_0", "F16")
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Window layers: each attends to the last ``size`` tokens (itself included) and to the first
+    ``sinks`` positions of the sequence, whatever the context."""
+
+    layers: tuple[int, ...]
+    size: int
+    sinks: int = 0
+
+    def validate(self, types: Sequence[int]) -> None:
+        if self.size < 1:
+            raise NblError(f"a window of {self.size} tokens: it needs at least 1")
+        if self.sinks < 0:
+            raise NblError(f"{self.sinks} attention sinks: give 0 or more")
+        if not self.layers:
+            raise NblError("window layers: none given")
+        if len(set(self.layers)) != len(self.layers):
+            raise NblError(f"window layers {list(self.layers)} repeat a layer")
+        for layer in self.layers:
+            if not 0 <= layer < len(types):
+                raise NblError(f"window layer {layer} does not exist: the model has {len(types)} layers")
+            if types[layer] != ATTENTION:
+                raise NblError(f"layer {layer} is a window layer and an NBL {LAYER_TYPE_NAMES.get(types[layer], types[layer])} "
+                               f"layer: a window keeps the attention, so it must be an attention layer")
+
+    def pattern(self, n_layer: int) -> list[bool]:
+        return [layer in self.layers for layer in range(n_layer)]
 
 
 @dataclass
@@ -76,6 +114,7 @@ class NblLayers:
     calibration: Mapping | None = None
     scores_criterion: str | None = None  # what ``scores`` score, when not ``criterion`` itself (best, greedy)
     taps: Mapping = field(default_factory=dict)
+    windows: Windows | None = None  # attention layers that keep only a window of tokens
 
     @property
     def n_taps(self) -> int | None:
@@ -107,6 +146,8 @@ class NblLayers:
                 raise NblError(f"layer {layer}: NBL weight or bias is not finite")
         if self.scores is not None and len(self.scores) != n_layer:
             raise NblError(f"{len(self.scores)} scores given for a model of {n_layer} layers")
+        if self.windows is not None:
+            self.windows.validate(self.types)
 
 
 def validate_taps_map(layer: int, taps_map, n_embd: int) -> None:
@@ -274,6 +315,8 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
     if layers.taps and arch not in TAPS_ARCHITECTURES:
         raise NblError(f"{src} is a '{arch}' model; the patched llama.cpp runs taps layers (type 3) for "
                        f"{', '.join(TAPS_ARCHITECTURES)} only")
+    if layers.windows is not None:
+        check_windows_allowed(reader, arch, src)
     types = weight_type if isinstance(weight_type, Mapping) else weight_types(reader, layers, weight_type)
     mapped = set(layers.linear) | set(layers.taps)
     if set(types) != mapped:
@@ -303,13 +346,17 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
     tmp = atomic_output(dst)
     try:
         writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
-        copy_keys(reader, writer)
+        # a window the source declares for layers it does not mark is replaced by the file's own
+        window_keys = {key.format(arch=arch) for key in (SLIDING_WINDOW_KEY, WINDOW_SINKS_KEY)}
+        copy_keys(reader, writer, rename=lambda key: None if layers.windows is not None and key in window_keys else key)
         writer.add_key_value(
             LAYER_TYPES_KEY.format(arch=arch), [int(t) for t in layers.types],
             gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32,
         )
         if layers.taps:
             writer.add_uint32(TAPS_KEY.format(arch=arch), layers.n_taps)
+        if layers.windows is not None:
+            add_windows(writer, arch, layers.windows, n_layer)
         add_provenance(writer, layers)
         write_tensors(writer, tensors, reader.endianess, source=reader)
         os.replace(tmp, dst)
@@ -337,6 +384,42 @@ def taps_tensors(layer: int, taps_map, qtype) -> list:
             own = gguf.GGMLQuantizationType[first_holding(FALLBACK_WEIGHT_TYPES, array.shape[1])]
         out.append((pattern.format(layer=layer), quantize_weight(array, own), own))
     return out
+
+
+def check_windows_allowed(reader, arch: str, src) -> None:
+    """Window layers need an architecture whose patched graph builds them, and a file without windows
+    of its own (its keys would be overwritten)."""
+    if arch not in WINDOW_ARCHITECTURES:
+        raise NblError(f"{src} is a '{arch}' model; the patched llama.cpp runs window layers for "
+                       f"{', '.join(WINDOW_ARCHITECTURES)} only")
+    if reader.fields.get(SLIDING_WINDOW_PATTERN_KEY.format(arch=arch)) is not None:
+        raise NblError(f"{src} already marks sliding-window layers ({SLIDING_WINDOW_PATTERN_KEY.format(arch=arch)}): "
+                       f"start from a file without them")
+
+
+def add_windows(writer, arch: str, windows: Windows, n_layer: int) -> None:
+    import gguf
+
+    writer.add_uint32(SLIDING_WINDOW_KEY.format(arch=arch), int(windows.size))
+    writer.add_key_value(SLIDING_WINDOW_PATTERN_KEY.format(arch=arch), windows.pattern(n_layer),
+                         gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
+    writer.add_uint32(WINDOW_SINKS_KEY.format(arch=arch), int(windows.sinks))
+
+
+def read_windows(reader) -> Windows | None:
+    """The window layers of an open GGUFReader, as the patched llama.cpp reads them (None: none)."""
+    arch = str(reader.fields["general.architecture"].contents())
+    if arch not in WINDOW_ARCHITECTURES:
+        return None
+    pattern = reader.fields.get(SLIDING_WINDOW_PATTERN_KEY.format(arch=arch))
+    window = reader.fields.get(SLIDING_WINDOW_KEY.format(arch=arch))
+    if pattern is None or window is None or not isinstance(pattern.contents(), list):
+        return None
+    layers = tuple(i for i, flag in enumerate(pattern.contents()) if flag)
+    if not layers:
+        return None
+    sinks = reader.fields.get(WINDOW_SINKS_KEY.format(arch=arch))
+    return Windows(layers=layers, size=int(window.contents()), sinks=0 if sinks is None else int(sinks.contents()))
 
 
 def copy_keys(reader, writer, rename=lambda key: key) -> None:

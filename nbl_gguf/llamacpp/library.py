@@ -132,11 +132,24 @@ def load_model(path: str | Path, *, n_ctx: int = 512, n_gpu_layers: int | None =
     """A ``llama_cpp.Llama`` for ``path`` and its KV cache info; load errors carry llama.cpp's message.
 
     ``n_gpu_layers`` None: default_gpu_layers() (docs/building.md)."""
+    llm, log = _load_logged(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, f32_kv=f32_kv, **kwargs)
+    caches = kv_caches(log)
+    return llm, caches[0] if caches else None
+
+
+def load_model_caches(path: str | Path, *, n_ctx: int = 512, n_gpu_layers: int | None = None, f32_kv: bool = False,
+                      **kwargs):
+    """load_model(), with each of the context's caches apart (kv_cache_lines): an iSWA context's
+    full-attention cache, then its sliding-window one."""
+    llm, log = _load_logged(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, f32_kv=f32_kv, **kwargs)
+    return llm, kv_cache_lines(log)
+
+
+def _load_logged(path, *, n_ctx: int, n_gpu_layers: int | None, f32_kv: bool, **kwargs):
     import llama_cpp
 
     if n_gpu_layers is None:
         n_gpu_layers = default_gpu_layers()
-
     if f32_kv:
         kwargs.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
     with captured_log() as lines:
@@ -145,8 +158,7 @@ def load_model(path: str | Path, *, n_ctx: int = 512, n_gpu_layers: int | None =
         except ValueError as error:
             reasons = [line.strip() for line in lines if "error" in line.lower() or "failed" in line.lower()]
             raise NblError(f"llama.cpp could not load {path}: " + " | ".join(reasons or [str(error)])) from error
-    caches = kv_caches("".join(lines))
-    return llm, caches[0] if caches else None
+    return llm, "".join(lines)
 
 
 def logits(llm, tokens: Sequence[int]) -> np.ndarray:
