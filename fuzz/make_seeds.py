@@ -1,6 +1,6 @@
 """Seed corpus for the loader fuzzer: small valid NBL GGUFs of every architecture the patch series
-supports, with all four layer types (attention, linear, dropped, taps: each form of its lag map),
-weights in F32, F16 and Q8_0.
+supports, with all four layer types (attention, linear, dropped, taps: each form of its lag map) and
+window layers (with and without sinks, beside taps), weights in F32, F16 and Q8_0.
 
     python fuzz/make_seeds.py OUT_DIR
 
@@ -81,6 +81,7 @@ class Seed:
     n_expert: int = 0
     taps: int = 0  # <arch>.nbl.taps for taps layers (T)
     taps_form: str = "full"  # their lag map: full (attn_nbl_lag), lowrank (attn_nbl_lag_down/up), channel (attn_nbl_conv)
+    windows: nbl_format.Windows | None = None  # window layers (attention layers over the last tokens and the sinks)
 
 
 SEEDS = {
@@ -94,7 +95,9 @@ SEEDS = {
     "llama-taps-full": Seed("llama", (L, T, A), taps=3),
     "llama-taps-lowrank": Seed("llama", (T, A, T), nbl_type="Q8_0", taps=4, taps_form="lowrank"),
     "llama-taps-channel": Seed("llama", (A, T, D), taps=2, taps_form="channel"),
+    "llama-windows": Seed("llama", (A, L, A), windows=nbl_format.Windows(layers=(0, 2), size=8, sinks=2)),
     "qwen2-mixed": Seed("qwen2", (A, L, D)),
+    "qwen2-windows-taps": Seed("qwen2", (A, T, A), taps=3, windows=nbl_format.Windows(layers=(2,), size=4, sinks=0)),
     "qwen3-mixed": Seed("qwen3", (D, A, L)),
     "phi3-mixed": Seed("phi3", (L, A, D)),
     "gemma2-mixed": Seed("gemma2", (A, L, D, A)),
@@ -189,6 +192,8 @@ def write_seed(path: Path, name: str, seed: Seed, retype: dict[str, str] | None 
         writer.add_string(nbl_format.METHOD_KEY, "attn-nbl")
     if seed.taps:
         writer.add_uint32(nbl_format.TAPS_KEY.format(arch=arch.name), seed.taps)
+    if seed.windows is not None:
+        nbl_format.add_windows(writer, arch.name, seed.windows, n_layer)
     for tensor_name, (values, type_name) in seed_tensors(seed, rng).items():
         data, qtype = quantized(values, (retype or {}).get(tensor_name, type_name))
         writer.add_tensor(tensor_name, data, raw_dtype=qtype)
