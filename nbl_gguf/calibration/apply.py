@@ -15,9 +15,9 @@ from torch import nn
 from nbl_gguf.errors import NblError
 from nbl_gguf.models import decoder_layers, get_adapter
 
-KEEP, ATTN_LINEAR, ATTN_DROP, BLOCK_LINEAR, ATTN_TAPS = 0, 1, 2, 3, 4
+KEEP, ATTN_LINEAR, ATTN_DROP, BLOCK_LINEAR, ATTN_TAPS, ATTN_WINDOW = 0, 1, 2, 3, 4, 5
 LAYER_TYPE_NAMES = {KEEP: "keep", ATTN_LINEAR: "attn-nbl", ATTN_DROP: "attn-drop", BLOCK_LINEAR: "block-nbl",
-                    ATTN_TAPS: "attn-taps"}
+                    ATTN_TAPS: "attn-taps", ATTN_WINDOW: "window"}
 METHOD_LAYER_TYPE = {"attn-nbl": ATTN_LINEAR, "attn-drop": ATTN_DROP, "block-nbl": BLOCK_LINEAR}
 
 
@@ -150,6 +150,49 @@ class TapsAttention(nn.Module):
         return y
 
 
+def window_visible(query: torch.Tensor, key: torch.Tensor, size: int, sinks: int) -> torch.Tensor:
+    """[queries, keys] True where a query position sees a key position in a window layer: the last
+    ``size`` positions (itself included) and the first ``sinks``, as the patched llama.cpp masks them
+    (llama_hparams::is_masked_swa with n_swa_sink)."""
+    query, key = query[:, None], key[None, :]
+    return (key <= query) & ((query - key < size) | (key < sinks))
+
+
+class WindowAttention(nn.Module):
+    """The layer's own attention, over the last ``size`` tokens and the first ``sinks`` only: the
+    mask the model passes is narrowed to the window, nothing else changes. Positions are those of the
+    sequence: after the cache's length when a KV cache is passed (HF keeps every position)."""
+
+    def __init__(self, attention: nn.Module, size: int, sinks: int, layer_idx: int | None):
+        super().__init__()
+        if size < 1 or sinks < 0:
+            raise NblError(f"layer {layer_idx}: a window of {size} tokens with {sinks} sinks")
+        self.attention, self.size, self.sinks, self.layer_idx = attention, int(size), int(sinks), layer_idx
+
+    def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
+        cache = _cache(past_key_values, kwargs)
+        past = 0 if cache is None else int(cache.get_seq_length(self.layer_idx))
+        n = hidden_states.shape[1]
+        device = hidden_states.device
+        query = torch.arange(past, past + n, device=device)
+        visible = window_visible(query, torch.arange(past + n, device=device), self.size, self.sinks)
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            blocked = torch.finfo(hidden_states.dtype).min
+            mask = torch.zeros(visible.shape, dtype=hidden_states.dtype, device=device).masked_fill(~visible, blocked)
+            mask = mask[None, None]
+        else:
+            if mask.shape[-2:] != visible.shape:
+                raise NblError(f"layer {self.layer_idx}: an attention mask of {tuple(mask.shape)} for {n} new tokens "
+                               f"after {past}: a window layer takes the model's causal mask of every position")
+            mask = mask & visible if mask.dtype == torch.bool else \
+                mask.masked_fill(~visible, torch.finfo(mask.dtype).min)
+        kwargs["attention_mask"] = mask
+        if past_key_values is not None:
+            kwargs["past_key_values"] = past_key_values
+        return self.attention(hidden_states, *args, **kwargs)
+
+
 class LinearBlock(_Affine):
     """Stands in for a whole decoder layer: h -> W h + b (norms, attention, MLP and residuals)."""
 
@@ -175,7 +218,7 @@ def _layer_types(layer_types, count: int) -> dict[int, int]:
             raise NblError(f"layer {index} is out of range for a model with {count} layers")
         if kind not in LAYER_TYPE_NAMES:
             raise NblError(f"layer {index}: unknown layer type {kind} "
-                           f"(use 0 keep, 1 attn-nbl, 2 attn-drop, 3 block-nbl, 4 attn-taps)")
+                           f"(use 0 keep, 1 attn-nbl, 2 attn-drop, 3 block-nbl, 4 attn-taps, 5 window)")
     return types
 
 
@@ -195,7 +238,8 @@ def apply_nbl(model, layer_types: Sequence[int] | Mapping[int, int], linear=None
     layer_types: per layer (sequence) or {layer: type}; 0 keep, 1 attention -> W x + b,
     2 attention -> 0, 3 whole decoder layer -> W h + b, 4 attention -> a past-token map.
     linear: {layer: (W, b)} with W [d, d] (y = W x + b), or a CalibrationArtifact (its attention
-    maps serve type 1, its block maps type 3); for type 4, {layer: calibration.taps.TapsMap}.
+    maps serve type 1, its block maps type 3); for type 4, {layer: calibration.taps.TapsMap}; for
+    type 5 (the layer's attention over a window), {layer: anything with ``size`` and ``sinks``}.
     """
     adapter = get_adapter(model)
     layers = decoder_layers(model)
@@ -213,6 +257,11 @@ def apply_nbl(model, layer_types: Sequence[int] | Mapping[int, int], linear=None
             setattr(layer, adapter.attn, TapsAttention(taps_map, index).to(device))
         elif kind == ATTN_DROP:
             setattr(layer, adapter.attn, ZeroAttention(index))
+        elif kind == ATTN_WINDOW:
+            window = linear.get(index) if isinstance(linear, Mapping) else None
+            if window is None or not hasattr(window, "size"):
+                raise NblError(f"layer {index} is a window layer but no window was given for it")
+            setattr(layer, adapter.attn, WindowAttention(getattr(layer, adapter.attn), window.size, window.sinks, index))
         elif kind == BLOCK_LINEAR:
             weight, bias = _lookup(linear, index, "block")
             layers[index] = LinearBlock(weight, bias, index, tuple_output).to(device)

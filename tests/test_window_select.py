@@ -1,0 +1,99 @@
+"""Window layers in PyTorch and their measured choice: apply.WindowAttention against the float64
+reference forward of the tiny model with the same masks (whole sequence and a KV cache continued token
+by token), and calibration.windows.choose_windows (layer-streamed) against the whole model run once per
+candidate, with and without NBL layers replaced before it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
+from nbl_gguf.calibration.apply import ATTN_LINEAR, ATTN_WINDOW, apply_nbl
+from nbl_gguf.calibration.windows import Window, choose_windows
+from nbl_gguf.errors import NblError
+from nbl_gguf.fixtures.tiny import TinyLlama
+from nbl_gguf.gguf import nbl_format
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_window_attention_matches_the_reference_masks(implementation):
+    tiny = TinyLlama(n_layer=4, n_head=8, n_head_kv=2, n_ctx_train=1024, seed=3)
+    windows = nbl_format.Windows(layers=(0, 2), size=6, sinks=2)
+    tokens = [int(t) for t in np.random.default_rng(0).integers(3, tiny.n_vocab, 60)]
+    want = tiny.forward(tokens, windows=windows)
+    assert np.abs(tiny.forward(tokens) - want).max() > 0.1  # the windows change the logits
+    model = tiny.hf_model()
+    model.config._attn_implementation = implementation
+    apply_nbl(model, {0: ATTN_WINDOW, 2: ATTN_WINDOW}, {0: windows, 2: windows})
+    with torch.no_grad():
+        whole = model(torch.tensor([tokens])).logits[0].double().numpy()
+        out = model(torch.tensor([tokens[:40]]), use_cache=True)
+        steps = []
+        for i in range(40, 60):
+            out = model(torch.tensor([[tokens[i]]]), past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits[0, -1].double().numpy())
+    assert np.abs(whole - want).max() < 1e-4
+    assert np.abs(np.stack(steps) - want[40:]).max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def stream_and_model(tmp_path_factory):
+    from nbl_gguf.calibration.stream import LayerStream
+    from nbl_gguf.model_source import resolve_model
+
+    folder = tmp_path_factory.mktemp("window-select") / "model"
+    tokenizer = word_tokenizer(sample_texts(50, 20, seed=2))
+    model = tiny_model(layers=6, hidden=32, vocab=len(tokenizer), seed=4, max_position_embeddings=256)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    ids = torch.randint(4, len(tokenizer), (2, 96), generator=torch.Generator().manual_seed(5))
+    return LayerStream(resolve_model(str(folder)), torch.float32, "cpu"), model, ids
+
+
+def whole_model_loss(model, ids, kinds, maps) -> float:
+    import copy
+
+    variant = apply_nbl(copy.deepcopy(model), kinds, maps)
+    with torch.no_grad():
+        logits = variant(ids).logits.double()
+    first = ids.shape[1] // 2
+    nll = torch.nn.functional.cross_entropy(logits[:, first:-1].reshape(-1, logits.shape[-1]),
+                                            ids[:, first + 1:].reshape(-1), reduction="none")
+    return float(nll.mean())
+
+
+@pytest.mark.parametrize("replaced", [{}, {1: ATTN_LINEAR, 4: ATTN_LINEAR}])
+def test_choice_equals_the_whole_model_measured_per_candidate(stream_and_model, replaced):
+    stream, model, ids = stream_and_model
+    window = Window(size=4, sinks=1)
+    rng = np.random.default_rng(1)
+    linear = {i: ((0.1 * rng.standard_normal((32, 32))).astype(np.float32), (0.1 * rng.standard_normal(32)).astype(np.float32))
+              for i in replaced}
+    choice = choose_windows(stream, ids, 2, window, replaced=replaced, maps=lambda layer, _type: linear[layer])
+
+    base = whole_model_loss(model, ids, replaced, linear)
+    pool = [i for i in range(6) if i not in replaced]
+    want = {i: whole_model_loss(model, ids, {**replaced, i: ATTN_WINDOW}, {**linear, i: window}) - base for i in pool}
+    assert choice.base_loss == pytest.approx(base, abs=1e-5)
+    assert sorted(choice.increases) == pool
+    for layer in pool:
+        assert choice.increases[layer] == pytest.approx(want[layer], abs=1e-5)
+    assert max(abs(v) for v in want.values()) > 1e-3  # a window costs something here: the ranking means something
+    assert choice.layers == tuple(sorted(sorted(pool, key=lambda i: want[i])[:2]))
+    together = whole_model_loss(model, ids, {**replaced, **{i: ATTN_WINDOW for i in choice.layers}},
+                                {**linear, **{i: window for i in choice.layers}})
+    assert choice.loss == pytest.approx(together, abs=1e-5)
+
+
+def test_bad_choices_are_refused_by_name(stream_and_model):
+    stream, _, ids = stream_and_model
+    with pytest.raises(NblError, match="7 window layers asked of 6"):
+        choose_windows(stream, ids, 7, Window(8, 2))
+    with pytest.raises(NblError, match="measure at least 97"):
+        choose_windows(stream, ids, 1, Window(48, 2))
+    with pytest.raises(NblError, match="are replaced layers"):
+        choose_windows(stream, ids, 1, Window(8, 2), replaced={1: ATTN_LINEAR}, candidates=[1, 2])
+    with pytest.raises(NblError, match="a window of 0 tokens"):
+        Window(0, 2)
