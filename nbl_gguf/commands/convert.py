@@ -67,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "block-nbl is evaluated in PyTorch only")
     flags.add_selection_arguments(parser)
     flags.add_taps_arguments(parser, auto=True)
+    flags.add_window_arguments(parser)
     flags.add_dataset_arguments(parser)
     parser.add_argument("--nsamples", type=int, default=None,
                         help="calibration windows (default: calibrate's: 256 on CUDA, 32 on a CPU)")
@@ -134,7 +135,8 @@ def calibration_settings(args, directory: Path, model, taps: int) -> Settings:
     return settings
 
 
-def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args, kv_type: str = "f16") -> dict:
+def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args, kv_type: str = "f16", n_ctx: int = EVAL_CTX,
+                         chunks: int | None = None) -> dict:
     """{kind: llama-perplexity of the stock and the NBL file} on the first chunks of each bundled kind's
     evaluation part (C4 web text, Python docs, Python code: text never calibrated or selected on)."""
     from nbl_gguf.calibration.dataset import KINDS, write_evaluation_text
@@ -143,10 +145,10 @@ def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args, kv_type: str =
     measured = {}
     for kind in KINDS:
         text = write_evaluation_text(kind, tmp / f"heldout-{kind}.txt")
-        results = {name: perplexity(path, text, n_ctx=EVAL_CTX, chunks=args.eval_chunks, threads=args.threads,
+        results = {name: perplexity(path, text, n_ctx=n_ctx, chunks=chunks or args.eval_chunks, threads=args.threads,
                                     cache_type=kv_type)  # both files with the file's cache type
                    for name, path in (("stock", stock), ("nbl", nbl))}
-        measured[kind] = {"tokens": results["nbl"].tokens, "chunks": results["nbl"].chunks, "ctx": EVAL_CTX,
+        measured[kind] = {"tokens": results["nbl"].tokens, "chunks": results["nbl"].chunks, "ctx": n_ctx,
                           "stock": results["stock"].ppl, "nbl": results["nbl"].ppl}
     return measured
 
@@ -230,6 +232,7 @@ def convert(args) -> Summary:
                                output.resolve().parent, quantized=quant not in FLOAT_TYPES)
     if args.nbl_type is not None and method == "attn-nbl":
         nbl_format.parse_weight_type(args.nbl_type, hidden)
+    window_ctx = check_windows(args, source, n_layer)
     budget = check_kv_budget(args, source, n_layer) if args.kv_budget is not None else None
     if budget is not None:
         args = argparse.Namespace(**(vars(args) | {"m": budget.most_layers}))  # the calibration goes that far
@@ -246,6 +249,8 @@ def convert(args) -> Summary:
         steps.append("stock conversion")
         if quant not in FLOAT_TYPES:
             steps += (["imatrix"] if args.imatrix else []) + ["quantize stock"]
+    if args.windows:
+        steps.append("window layers")
     steps.append("NBL surgery")
     if not args.no_eval:
         steps.append("held-out perplexity")
@@ -283,6 +288,12 @@ def convert(args) -> Summary:
         if not args.calibration:
             # the calibration's own stages, measured inside it (layers, selection, ...)
             meter.merge(artifact.report.get("resources", {}), prefix="calibrate: ")
+        windows = None
+        if args.windows:
+            # 1b. the window layers, among the attention layers left, on top of the replaced ones
+            with stage("window layers"):
+                windows = window_layers(args, source, layers, window_ctx)
+            layers.windows = nbl_format.Windows(layers=windows.layers, size=args.window_size, sinks=args.window_sinks)
 
         imatrix = None
         if source.gguf is not None:
@@ -318,7 +329,7 @@ def convert(args) -> Summary:
 
         # 3. the surgery: the replaced layers' attention out, their maps in
         with stage("NBL surgery"):
-            if selected:
+            if selected or layers.windows is not None:
                 weights = surgery(stock_final, output, layers, args, imatrix)
                 notes = gguf_notes(source.gguf, weights, args.nbl_type, args.runtime) if source.gguf is not None \
                     else weight_notes(weights, args.nbl_type)
@@ -328,7 +339,9 @@ def convert(args) -> Summary:
         heldout = None
         if not args.no_eval:
             with stage("held-out perplexity"):
-                heldout = heldout_perplexities(stock_final, output, tmp, args, kv_type)
+                # a window only shows past its size: then the evaluation is at the windows' long context
+                heldout = heldout_perplexities(stock_final, output, tmp, args, kv_type,
+                                               **({"n_ctx": window_ctx, "chunks": 1} if windows else {}))
         progress.close()
         _default_permissions(output)
 
@@ -338,7 +351,11 @@ def convert(args) -> Summary:
         if args.ctx_size:  # the context the selection reported its saving at
             contexts = sorted({SUMMARY_CTX, args.ctx_size})
         types = layers.types
-        kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types, type_k=kv_type, type_v=kv_type) for n_ctx in contexts}
+        if windows:  # the file's own window layers: its sliding cache beside the global one
+            output_reader = gguf.GGUFReader(output)
+            kv = {n_ctx: kv_sizes(output_reader, n_ctx, type_k=kv_type, type_v=kv_type) for n_ctx in contexts}
+        else:
+            kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types, type_k=kv_type, type_v=kv_type) for n_ctx in contexts}
         return Summary(heldout=heldout, notes=notes,
             # attn-taps where the maps read past tokens: what nbl.method says
             model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=layers.method,
@@ -346,6 +363,7 @@ def convert(args) -> Summary:
             scores=layers.scores if layers.scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
             kv=kv, kv_type=kv_type, budget=budget_report, output=output, runtime=args.runtime, resources=meter.stages,
+            windows=windows.report() if windows else None,
             taps_state_bytes=(taps_state(gguf.GGUFReader(output), types) or {}).get("state_bytes_per_sequence", 0),
         )
 
@@ -371,6 +389,75 @@ def surgery(stock: Path, output: Path, layers, args, imatrix) -> dict:
     weights = nbl_format.weight_types(stock, layers, args.nbl_type, imatrix=imatrix)
     writer(args.runtime)(stock, output, layers, weight_type=weights)
     return weights
+
+
+# --- --windows -----------------------------------------------------------------------------------------
+
+def check_windows(args, source, n_layer: int) -> int | None:
+    """--windows and its companions checked before any work; the context the choice is measured at."""
+    import json as _json
+
+    from nbl_gguf import kv_cache, models
+    from nbl_gguf.calibration.windows import DEFAULT_CTX
+    from nbl_gguf.gguf import nbl_format
+
+    if not args.windows:
+        return None
+    if args.runtime != "nbl":
+        raise NblError(f"--windows and --runtime {args.runtime}: window layers need the patched llama.cpp "
+                       f"(--runtime nbl)")
+    if args.kv_budget is not None:
+        raise NblError("--windows and --kv-budget: the budget does not choose window layers yet (leave one out)")
+    if source.gguf is not None:
+        import gguf
+
+        from nbl_gguf.gguf.inspect import training_context
+
+        arch, trained = source.gguf.architecture, training_context(gguf.GGUFReader(source.gguf.path))
+    else:
+        config = _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
+        arch, trained = models.get_adapter(config).gguf_arch, kv_cache.training_context_from_config(config)
+    if arch not in nbl_format.WINDOW_ARCHITECTURES:
+        raise NblError(f"--windows: the patched llama.cpp runs window layers for "
+                       f"{', '.join(nbl_format.WINDOW_ARCHITECTURES)}; {source.name} is a '{arch}' model")
+    if args.windows > n_layer:
+        raise NblError(f"--windows {args.windows}: {source.name} has {n_layer} layers")
+    ctx = args.window_ctx or min(DEFAULT_CTX, trained or DEFAULT_CTX)
+    if ctx <= 2 * args.window_size:
+        raise NblError(f"--window-size {args.window_size} at --window-ctx {ctx}: a window only shows past its size, "
+                       f"so the choice needs a context above twice the window ({2 * args.window_size + 1} or more)")
+    return ctx
+
+
+def window_layers(args, source, layers, ctx: int):
+    """calibration.windows.choose_windows on each bundled kind's selection text, on top of ``layers``'
+    replaced layers (their maps as the file carries them)."""
+    import torch
+
+    from nbl_gguf import models
+    from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, ATTN_TAPS
+    from nbl_gguf.calibration.dataset import KINDS, bundled_selection_windows
+    from nbl_gguf.calibration.stream import LayerStream
+    from nbl_gguf.calibration.windows import Window, choose_windows
+    from nbl_gguf.gguf import nbl_format
+
+    left = sum(1 for t in layers.types if t == nbl_format.ATTENTION)
+    if args.windows > left:
+        raise NblError(f"--windows {args.windows}: {left} attention layers are left after the {len(layers.types) - left} "
+                       f"replaced")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = models.resolve_device(args.device)
+    stream = LayerStream(source, models.resolve_dtype(args.dtype, device), device)
+    ids, _ = bundled_selection_windows(stream.tokenizer, {kind: 1 for kind in KINDS}, ctx)
+    kinds = {nbl_format.LINEAR: ATTN_LINEAR, nbl_format.TAPS: ATTN_TAPS, nbl_format.DROPPED: ATTN_DROP}
+    replaced = {i: kinds[t] for i, t in enumerate(layers.types) if t != nbl_format.ATTENTION}
+
+    def maps(layer: int, layer_type: int):
+        return layers.linear[layer] if layer_type == ATTN_LINEAR else layers.taps[layer]
+
+    return choose_windows(stream, ids, args.windows, Window(args.window_size, args.window_sinks),
+                          replaced=replaced, maps=maps)
 
 
 # --- --kv-budget ---------------------------------------------------------------------------------------

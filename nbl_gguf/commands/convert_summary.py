@@ -31,6 +31,7 @@ class Summary:
     taps_state_bytes: int = 0  # what llama.cpp keeps per sequence for the taps layers (F32), 0 without
     kv_type: str = "f16"  # the cache type of the KV rows, and of the flags to run the file with
     budget: dict | None = None  # convert --kv-budget's candidates, as measured (choose_for_budget's report)
+    windows: dict | None = None  # convert --windows' choice (calibration.windows.WindowChoice.report())
 
     def table(self) -> str:
         from nbl_gguf.gguf.inspect import human_bytes
@@ -48,12 +49,13 @@ class Summary:
             rows.append((f"KV cache at {n_ctx:,} tokens ({self.kv_type.upper()})", human_bytes(stock.bytes),
                          human_bytes(nbl.bytes),
                          change(stock.bytes, nbl.bytes)))
-            if "sliding" in stock.caches:
+            if "sliding" in nbl.caches:
                 # llama.cpp keeps two caches: the window's cells for the sliding layers, every token for the others
+                # (a stock model without sliding layers has the global one only)
                 for name, what in (("global", "global layers"), ("sliding", "sliding-window layers")):
-                    before, after = stock.caches[name], nbl.caches[name]
-                    rows.append((f"  {what}: {after.cells:,} cells", human_bytes(before.bytes), human_bytes(after.bytes),
-                                 change(before.bytes, after.bytes)))
+                    before, after = stock.caches.get(name), nbl.caches[name]
+                    rows.append((f"  {what}: {after.cells:,} cells", human_bytes(before.bytes if before else 0),
+                                 human_bytes(after.bytes), change(before.bytes, after.bytes) if before else ""))
         if self.taps_state_bytes:
             rows.append(("taps state per sequence (F32)", human_bytes(0), human_bytes(self.taps_state_bytes), ""))
         for kind, measured in (self.heldout or {}).items():
@@ -78,8 +80,9 @@ class Summary:
             lines.append(f"  worst kind of text: {KINDS[worst].label}, "
                          f"{change(self.heldout[worst]['stock'], self.heldout[worst]['nbl'])}")
         lines += self.budget_lines()
+        lines += self.window_lines()
         lines += [f"  {note}" for note in self.notes]
-        lines.append(f"  layout: {RUNTIMES[self.runtime]}" if self.replaced else
+        lines.append(f"  layout: {RUNTIMES[self.runtime]}" if self.replaced or self.windows else
                      "  layout: the stock file itself, no layer replaced: any llama.cpp runs it")
         lines.append(f"  output: {self.output}")
         if self.kv_type != "f16":
@@ -89,6 +92,21 @@ class Summary:
                          f"GGML_TYPE_{self.kv_type.upper()})")
         return "\n".join(lines)
 
+
+    def window_lines(self) -> list[str]:
+        """What --windows chose and measured (loss on the second half of each selection text)."""
+        if not self.windows:
+            return []
+        import math
+
+        w = self.windows
+        alone = ", ".join(f"{layer}: {math.expm1(w['increases'][str(layer)]):+.1%}" for layer in w["layers"])
+        return [f"  window layers: {len(w['layers'])} ({', '.join(map(str, w['layers']))}) attend to the last "
+                f"{w['size']:,} tokens and the first {w['sinks']}; chosen by the perplexity each costs alone "
+                f"({alone}) and together {math.expm1(w['loss'] - w['base_loss']):+.1%}, on the second half of "
+                f"{w['texts']} selection texts of {w['ctx']:,} tokens",
+                "  llama-cpp-python: load it with swa_full=False, or the window layers cache the whole context "
+                "(llama-cli and llama-server: as long as --swa-full is not given)"]
 
     def budget_lines(self) -> list[str]:
         """What --kv-budget measured: each cache type's fewest layers within the budget, best first."""

@@ -171,6 +171,35 @@ def add_taps_arguments(parser: argparse.ArgumentParser, auto: bool = False) -> N
                         help="with --taps K > 1: rank of the map of the earlier tokens (default: n_embd / 4)")
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
+def add_window_arguments(parser: argparse.ArgumentParser) -> None:
+    """--windows and its window: attention layers kept over the last tokens and the first few only."""
+    from nbl_gguf.calibration.windows import DEFAULT_CTX, DEFAULT_SINKS, DEFAULT_SIZE
+
+    parser.add_argument("--windows", type=non_negative_int, default=0, metavar="N",
+                        help="make N of the attention layers that are left window layers: each attends to the last "
+                             "--window-size tokens and the first --window-sinks only, so its KV cache stops growing; "
+                             "the N whose window costs least, measured at --window-ctx tokens on the selection text "
+                             "(llama and qwen2, patched llama.cpp; docs/results/window.md) (default: 0)")
+    parser.add_argument("--window-size", type=positive_int, default=DEFAULT_SIZE, metavar="W",
+                        help=f"tokens a window layer attends to, itself included (default: {DEFAULT_SIZE})")
+    parser.add_argument("--window-sinks", type=non_negative_int, default=DEFAULT_SINKS, metavar="S",
+                        help=f"first tokens of the sequence every window layer keeps (attention sinks; default: "
+                             f"{DEFAULT_SINKS})")
+    parser.add_argument("--window-ctx", type=positive_int, default=None, metavar="N",
+                        help=f"tokens per text the window layers are chosen and evaluated at (default: {DEFAULT_CTX}, "
+                             f"or the training context if shorter)")
+
+
 def check_selection_text(text: str) -> str:
     """--selection-text, checked when the command line is read (a typo costs no calibration)."""
     from nbl_gguf.calibration.dataset import parse_selection_text
