@@ -169,6 +169,17 @@ CASES = {
     # m out of range
     "convert-m-too-large": Case(("convert", "--model", "{model}", "--m", "9", *TINY_CONVERT, "-o", "out.gguf"),
                                 (r"--m 9 is out of range: tiny-llama has 4 layers",)),
+    # window layers: checked before any calibration
+    "convert-windows-stock-runtime": Case(("convert", "--model", "{model}", "--windows", "2", "--runtime", "stock",
+                                           *TINY_CONVERT, "-o", "out.gguf"),
+                                          (r"--windows and --runtime stock: window layers need the patched llama\.cpp",)),
+    "convert-windows-too-many": Case(("convert", "--model", "{model}", "--windows", "5", *TINY_CONVERT, "-o", "out.gguf"),
+                                     (r"--windows 5: tiny-llama has 4 layers",)),
+    "convert-window-ctx-too-short": Case(("convert", "--model", "{model}", "--windows", "1", "--window-ctx", "1024",
+                                          *TINY_CONVERT, "-o", "out.gguf"),
+                                         (r"--window-size 512 at --window-ctx 1024: .* \(1025 or more\)",)),
+    "convert-window-sinks-negative": Case(("convert", "--windows", "1", "--window-sinks", "-1", "-o", "out.gguf"),
+                                          (r"--window-sinks: .*expected 0 or more, got -1",)),
     "calibrate-m-negative": Case(("calibrate", "--model", "{model}", "--m", "-1", "--device", "cpu", "-o", "cal"),
                                  (r"--m -1 is out of range: the model has 4 layers",)),
     # empty and non-text datasets

@@ -183,3 +183,40 @@ def test_python_and_llama_cpp_agree_on_the_supported_architectures():
     in_cpp = {arch_names[case] for case in re.findall(r"case (LLM_ARCH_\w+):", body)}
     assert in_cpp == set(nbl_format.SUPPORTED_ARCHITECTURES)
     assert {adapter.gguf_arch for adapter in ADAPTERS.values()} == in_cpp
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"], indirect=True)  # mistral: the llama architecture
+def test_window_layers_logits_match_pytorch(family, tmp_path):
+    """convert --windows on top of the replaced layers: the chosen window layers are attention layers
+    in the file, and llama.cpp's iSWA graph (cache bounded to the window: swa_full off) gives the logits
+    of the HF model with those layers' masks narrowed (apply.WindowAttention)."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nbl_gguf.calibration.apply import ATTN_WINDOW, apply_nbl
+    from nbl_gguf.commands.convert import convert
+    from nbl_gguf.llamacpp import library
+
+    name, model_dir, artifact_dir, artifact = family
+    output = tmp_path / f"{name}-windows.gguf"
+    summary = convert(convert_args(model=str(model_dir), calibration=str(artifact_dir), m=M, quant="f32",
+                                   windows=2, window_size=8, window_sinks=2, window_ctx=64, output=str(output)))
+    windows = nbl_format.read_windows(gguf.GGUFReader(output))
+    assert windows.size == 8 and windows.sinks == 2 and len(windows.layers) == 2
+    assert not set(windows.layers) & set(summary.replaced)
+    assert summary.windows["layers"] == list(windows.layers)
+
+    types = artifact.layer_types(M, "cca", "attn-nbl")
+    reference = apply_nbl(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), types, artifact)
+    full = apply_nbl(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), types, artifact)
+    apply_nbl(reference, {i: ATTN_WINDOW for i in windows.layers}, {i: windows for i in windows.layers})
+    tokens = [int(t) for t in np.random.default_rng(4).integers(0, 1000, 48)]
+    llm, _ = library.load_model(output, n_ctx=64, logits_all=True, f32_kv=True, swa_full=False)
+    got = library.logits(llm, tokens)
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0].double().numpy()
+        want_full = full(torch.tensor([tokens])).logits[0].double().numpy()
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= TOLERANCE * scale
+    assert np.abs(want_full - want).max() > 20 * TOLERANCE * scale  # the windows show in the logits
