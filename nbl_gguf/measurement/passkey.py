@@ -1,0 +1,102 @@
+"""Passkey retrieval: a five-digit number hidden at some depth of filler text, asked for at the end
+(Mohtashami and Jaggi's test). A window layer, or a replaced one, that loses what lies far back shows
+here when a perplexity averaged over every token barely moves.
+
+The model runs in-process through llama-cpp-python with llama-cli's settings that matter for the
+cache: one sequence, ``swa_full`` off (llama-cpp-python's default is on, which would keep the whole
+context in the window layers and hide what they lose), and the KV cache type asked for.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nbl_gguf.errors import NblError
+
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
+         "memorize it. I will quiz you about it.\n\n")
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+ANSWER_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Trial:
+    n_ctx: int
+    depth: float
+    key: int
+    prompt_tokens: int
+    answer: str
+
+    @property
+    def found(self) -> bool:
+        return re.search(rf"(?<!\d){self.key}(?!\d)", self.answer) is not None
+
+
+@dataclass
+class PasskeyResult:
+    trials: list[Trial] = field(default_factory=list)
+
+    def accuracy(self, n_ctx: int | None = None) -> float:
+        chosen = [t for t in self.trials if n_ctx is None or t.n_ctx == n_ctx]
+        return sum(t.found for t in chosen) / len(chosen) if chosen else float("nan")
+
+    def report(self) -> dict:
+        lengths = sorted({t.n_ctx for t in self.trials})
+        return {"accuracy": {str(n): self.accuracy(n) for n in lengths},
+                "trials": [{"n_ctx": t.n_ctx, "depth": t.depth, "key": t.key, "prompt_tokens": t.prompt_tokens,
+                            "answer": t.answer, "found": t.found} for t in self.trials]}
+
+
+def build_prompt(count_tokens, n_tokens: int, depth: float, key: int) -> str:
+    """Filler around the needle at ``depth`` (0: start, 1: end) so that the prompt takes about
+    ``n_tokens`` tokens by ``count_tokens`` (and never more)."""
+    if not 0.0 <= depth <= 1.0:
+        raise NblError(f"passkey depth {depth}: give 0 to 1")
+    needle = NEEDLE.format(key=key)
+    fixed = count_tokens(INTRO + needle + QUESTION)
+    per_filler = count_tokens(FILLER * 20) / 20
+    repeats = int((n_tokens - fixed) / per_filler)
+    if repeats < 2:
+        raise NblError(f"a passkey prompt of {n_tokens} tokens leaves no room for filler")
+    while repeats > 1:
+        before = int(round(repeats * depth))
+        prompt = INTRO + FILLER * before + needle + FILLER * (repeats - before) + QUESTION
+        if count_tokens(prompt) <= n_tokens:
+            return prompt
+        repeats -= 1
+    raise NblError(f"a passkey prompt of {n_tokens} tokens leaves no room for filler")
+
+
+def passkey(model: str | Path, lengths=(4096,), depths=DEPTHS, *, seed: int = 0, kv_type: str = "f16",
+            threads: int | None = None, n_gpu_layers: int | None = None) -> PasskeyResult:
+    """Greedy answers of the GGUF ``model`` to one prompt per (length, depth), each with its own key."""
+    import llama_cpp
+
+    from nbl_gguf.llamacpp import library
+
+    rng = random.Random(seed)
+    kv = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
+    llm, _ = library.load_model(model, n_ctx=max(lengths) + ANSWER_TOKENS + 16, n_gpu_layers=n_gpu_layers,
+                                swa_full=False, type_k=kv, type_v=kv, flash_attn=True, n_batch=512,
+                                n_threads=threads, n_threads_batch=threads)
+    try:
+        def count(text: str) -> int:
+            return len(llm.tokenize(text.encode("utf-8"), add_bos=True))
+
+        result = PasskeyResult()
+        for n_ctx in lengths:
+            for depth in depths:
+                key = rng.randrange(10000, 100000)
+                prompt = build_prompt(count, n_ctx, depth, key)
+                llm.reset()
+                out = llm.create_completion(prompt, max_tokens=ANSWER_TOKENS, temperature=0.0, top_k=1)
+                result.trials.append(Trial(n_ctx, depth, key, count(prompt), out["choices"][0]["text"]))
+        return result
+    finally:
+        llm.close()

@@ -1,0 +1,52 @@
+"""Passkey retrieval (measurement.passkey): the prompt's length and the needle's depth, and the test on
+the embedded model: it finds the key, and a file whose every layer attends to a narrow window without
+sinks does not (so the test can see retrieval killed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbl_gguf.errors import NblError
+from nbl_gguf.measurement import passkey as pk
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])
+def test_prompt_fills_the_length_with_the_needle_at_its_depth(depth):
+    prompt = pk.build_prompt(words, 2000, depth, 12345)
+    assert 2000 - 2 * words(pk.FILLER) < words(prompt) <= 2000
+    assert prompt.endswith(pk.QUESTION) and prompt.count("12345") == 2
+    body = prompt[len(pk.INTRO):-len(pk.QUESTION)]
+    position = body.index(pk.NEEDLE.format(key=12345)) / (len(body) - len(pk.NEEDLE.format(key=12345)))
+    assert position == pytest.approx(depth, abs=0.02)
+
+
+def test_answers_are_scored_on_the_whole_number():
+    assert pk.Trial(1024, 0.5, 60494, 1000, " 60494. The").found
+    assert not pk.Trial(1024, 0.5, 60494, 1000, " 604941").found
+    assert not pk.Trial(1024, 0.5, 60494, 1000, " the pass key").found
+    with pytest.raises(NblError, match="no room for filler"):
+        pk.build_prompt(words, 30, 0.5, 12345)
+    with pytest.raises(NblError, match="depth 1.5"):
+        pk.build_prompt(words, 2000, 1.5, 12345)
+
+
+@pytest.mark.llama
+def test_the_embedded_model_finds_the_key_and_a_narrow_window_loses_it(tmp_path):
+    from nbl_gguf.gguf import nbl_format
+    from nbl_gguf.llamacpp import tools as llamacpp
+    from nbl_gguf.models import embedded_gguf_path
+
+    if not (llamacpp.bin_dir() / "libllama.so").is_file():
+        pytest.skip("needs the patched llama.cpp build (scripts/build_llama.sh)")
+    stock = embedded_gguf_path()
+    result = pk.passkey(stock, lengths=(1024,), depths=(0.2, 0.6), threads=2)
+    assert result.accuracy(1024) == 1.0, result.report()
+    narrow = nbl_format.write_nbl_gguf(stock, tmp_path / "narrow.gguf", nbl_format.NblLayers(
+        types=[nbl_format.ATTENTION] * 30, windows=nbl_format.Windows(tuple(range(30)), size=32, sinks=0)))
+    lost = pk.passkey(narrow, lengths=(1024,), depths=(0.2, 0.6), threads=2)
+    assert lost.accuracy(1024) == 0.0, lost.report()
+    assert [t.prompt_tokens for t in lost.trials] == [t.prompt_tokens for t in result.trials]
