@@ -63,6 +63,26 @@ def test_candidates_are_the_shortest_fitting_prefix_of_each_type():
                                           if kv_budget.kv_bytes(model, n_ctx, t, order) <= budget]
 
 
+def test_window_candidates_are_the_shortest_fitting_prefix_of_their_order():
+    # a model without sliding layers of its own (a file carries one window)
+    model = KvModel(layers=tuple(KvLayer(w, w) for w in (256, 64, 256, 64, 128)))
+    n_ctx, order, window_order = 32768, [3, 1, 4, 0], [2, 0, 4, 1, 3]
+    budget = 40 * 10 ** 6
+    found = kv_budget.candidates(model, n_ctx, budget, order, window_order, (512, 4))
+    windowed = [c for c in found if c.windows]
+    assert windowed, "some type fits with window layers at this budget"
+    for candidate in windowed:
+        k = len(candidate.windows)
+        assert candidate.windows == tuple(sorted(window_order[:k])) and candidate.layers == ()
+        assert candidate.kv_bytes <= budget < kv_budget.kv_bytes(model, n_ctx, candidate.kv_type,
+                                                                 windows=window_order[:k - 1], window=(512, 4))
+        # a window layer holds pad256(W + S + n_ubatch) cells, the others the whole context (kv_cache's own rule)
+        per_cell = {i: kv_budget.kv_bytes(model, 256, candidate.kv_type, [j for j in range(5) if j != i]) / 256
+                    for i in range(5)}
+        assert candidate.kv_bytes == sum(per_cell[i] * (1280 if i in candidate.windows else n_ctx) for i in range(5))
+        assert "window layers (W = 512)" in candidate.label
+
+
 def test_an_unreachable_budget_names_the_smallest_reachable():
     model = _model()
     smallest = kv_budget.smallest_reachable(model, 8192, 4)

@@ -325,7 +325,7 @@ def convert(args) -> Summary:
                 chosen, budget_report = choose_for_budget(budget, artifact, args, source, method, n_layer, taps,
                                                           stock_final, imatrix, tmp)
             selected, kv_type = list(chosen.layers), chosen.kv_type
-            layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
+            layers = budget_layers(chosen, artifact, args, source, method, n_layer, taps)
 
         # 3. the surgery: the replaced layers' attention out, their maps in
         with stage("NBL surgery"):
@@ -351,7 +351,7 @@ def convert(args) -> Summary:
         if args.ctx_size:  # the context the selection reported its saving at
             contexts = sorted({SUMMARY_CTX, args.ctx_size})
         types = layers.types
-        if windows:  # the file's own window layers: its sliding cache beside the global one
+        if layers.windows is not None:  # the file's own window layers: its sliding cache beside the global one
             output_reader = gguf.GGUFReader(output)
             kv = {n_ctx: kv_sizes(output_reader, n_ctx, type_k=kv_type, type_v=kv_type) for n_ctx in contexts}
         else:
@@ -363,7 +363,8 @@ def convert(args) -> Summary:
             scores=layers.scores if layers.scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
             kv=kv, kv_type=kv_type, budget=budget_report, output=output, runtime=args.runtime, resources=meter.stages,
-            windows=windows.report() if windows else None,
+            windows=windows.report() if windows else None if layers.windows is None else
+            {"layers": list(layers.windows.layers), "size": layers.windows.size, "sinks": layers.windows.sinks},
             taps_state_bytes=(taps_state(gguf.GGUFReader(output), types) or {}).get("state_bytes_per_sequence", 0),
         )
 
@@ -429,9 +430,9 @@ def check_windows(args, source, n_layer: int) -> int | None:
     return ctx
 
 
-def window_layers(args, source, layers, ctx: int):
-    """calibration.windows.choose_windows on each bundled kind's selection text, on top of ``layers``'
-    replaced layers (their maps as the file carries them)."""
+def window_layers(args, source, layers, ctx: int, count: int | None = None):
+    """calibration.windows.choose_windows of ``count`` layers (default --windows) on each bundled kind's
+    selection text, on top of ``layers``' replaced layers (their maps as the file carries them)."""
     import torch
 
     from nbl_gguf import models
@@ -441,9 +442,10 @@ def window_layers(args, source, layers, ctx: int):
     from nbl_gguf.calibration.windows import Window, choose_windows
     from nbl_gguf.gguf import nbl_format
 
+    count = args.windows if count is None else count
     left = sum(1 for t in layers.types if t == nbl_format.ATTENTION)
-    if args.windows > left:
-        raise NblError(f"--windows {args.windows}: {left} attention layers are left after the {len(layers.types) - left} "
+    if count > left:
+        raise NblError(f"--windows {count}: {left} attention layers are left after the {len(layers.types) - left} "
                        f"replaced")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -456,8 +458,25 @@ def window_layers(args, source, layers, ctx: int):
     def maps(layer: int, layer_type: int):
         return layers.linear[layer] if layer_type == ATTN_LINEAR else layers.taps[layer]
 
-    return choose_windows(stream, ids, args.windows, Window(args.window_size, args.window_sinks),
+    return choose_windows(stream, ids, count, Window(args.window_size, args.window_sinks),
                           replaced=replaced, maps=maps)
+
+
+def budget_window_order(args, source, n_layer: int, ctx: int) -> list[int] | None:
+    """The layers in the order their window costs least (each measured alone on the stock model), when the
+    file can carry window layers; else None."""
+    import json as _json
+
+    from nbl_gguf import models
+    from nbl_gguf.gguf import nbl_format
+
+    arch = source.gguf.architecture if source.gguf is not None else models.get_adapter(
+        _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))).gguf_arch
+    if args.runtime != "nbl" or arch not in nbl_format.WINDOW_ARCHITECTURES or ctx <= 2 * args.window_size:
+        return None
+    stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
+    choice = window_layers(args, source, stock, ctx, count=1)
+    return sorted(choice.increases, key=lambda i: (choice.increases[i], i))
 
 
 # --- --kv-budget ---------------------------------------------------------------------------------------
@@ -519,7 +538,9 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     for m in range(1, budget.most_layers + 1):
         layers = chosen_layers(artifact, argparse.Namespace(**(vars(args) | {"m": m})), method, n_layer, taps)
         order += sorted(set(layers) - set(order))
-    found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order)
+    window_order = budget_window_order(args, source, n_layer, budget.eval_ctx)
+    window = (args.window_size, args.window_sinks)
+    found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order, window_order, window)
     if not found:
         deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order)
         raise NblError(f"--kv-budget {args.kv_budget} at {budget.n_ctx:,} tokens: the layers the calibration chose "
@@ -529,6 +550,10 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     for candidate in found:
         if candidate.m == 0:
             files[candidate] = stock
+            continue
+        if candidate.windows:
+            path = files[candidate] = tmp / f"budget-w{len(candidate.windows)}-{candidate.kv_type}.gguf"
+            surgery(stock, path, budget_layers(candidate, artifact, args, source, method, n_layer, taps), args, imatrix)
             continue
         path = files[candidate] = tmp / f"budget-m{candidate.m}.gguf"
         if not path.is_file():
@@ -541,9 +566,21 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     report = {"bytes": budget.bytes, "n_ctx": budget.n_ctx, "eval_ctx": budget.eval_ctx, "chunks": BUDGET_CHUNKS,
               "stock_ppl": base,
               "candidates": [{"label": r.candidate.label, "kv_type": r.candidate.kv_type, "m": r.candidate.m,
-                              "layers": list(r.candidate.layers), "kv_bytes": r.candidate.kv_bytes,
+                              "layers": list(r.candidate.layers), "windows": list(r.candidate.windows),
+                              "kv_bytes": r.candidate.kv_bytes,
                               "perplexity": r.perplexity, "change_pct": r.change_pct} for r in measured]}
     return measured[0].candidate, report
+
+
+def budget_layers(candidate, artifact, args, source, method: str, n_layer: int, taps: int):
+    """The NblLayers of a --kv-budget candidate: its replaced layers and its window layers."""
+    from nbl_gguf.gguf import nbl_format
+
+    layers = nbl_layers(artifact, args, source, method, n_layer, taps, list(candidate.layers))
+    if candidate.windows:
+        size, sinks = candidate.window
+        layers.windows = nbl_format.Windows(layers=candidate.windows, size=size, sinks=sinks)
+    return layers
 
 
 def copy_atomically(source: Path, target: Path) -> None:

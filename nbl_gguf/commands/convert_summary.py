@@ -100,11 +100,14 @@ class Summary:
         import math
 
         w = self.windows
-        alone = ", ".join(f"{layer}: {math.expm1(w['increases'][str(layer)]):+.1%}" for layer in w["layers"])
-        return [f"  window layers: {len(w['layers'])} ({', '.join(map(str, w['layers']))}) attend to the last "
-                f"{w['size']:,} tokens and the first {w['sinks']}; chosen by the perplexity each costs alone "
-                f"({alone}) and together {math.expm1(w['loss'] - w['base_loss']):+.1%}, on the second half of "
-                f"{w['texts']} selection texts of {w['ctx']:,} tokens",
+        line = (f"  window layers: {len(w['layers'])} ({', '.join(map(str, w['layers']))}) attend to the last "
+                f"{w['size']:,} tokens and the first {w['sinks']}")
+        if "increases" in w:  # --windows: the measured choice
+            alone = ", ".join(f"{layer}: {math.expm1(w['increases'][str(layer)]):+.1%}" for layer in w["layers"])
+            line += (f"; chosen by the perplexity each costs alone ({alone}) and together "
+                     f"{math.expm1(w['loss'] - w['base_loss']):+.1%}, on the second half of {w['texts']} selection "
+                     f"texts of {w['ctx']:,} tokens")
+        return [line,
                 "  llama-cpp-python: load it with swa_full=False, or the window layers cache the whole context "
                 "(llama-cli and llama-server: as long as --swa-full is not given)"]
 

@@ -8,12 +8,19 @@ llama-perplexity with its cache type at a long context on held-out text of the t
 summary's evaluation never sees (the selection parts), and the lowest mean change against the stock
 file with an F16 cache wins: a quantized cache and replaced layers are traded by what they cost, not by
 a rule.
+
+Where the file can carry window layers (llama, qwen2), each cache type also gets the fewest window layers
+of their measured order (calibration.windows) that fit: a window layer keeps its attention over the last
+W tokens and the first few, and its cache stops at the window (so it saves less than a replaced layer
+at short contexts, nearly as much at long ones).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from dataclasses import replace
 
 from nbl_gguf.errors import NblError
 from nbl_gguf.kv_cache import Context, KvModel, kv_size
@@ -36,6 +43,8 @@ class Candidate:
     kv_type: str
     layers: tuple[int, ...]  # the replaced layers, a prefix of the calibration's order
     kv_bytes: int
+    windows: tuple[int, ...] = ()  # window layers, a prefix of their measured order
+    window: tuple[int, int] | None = None  # (W, sinks) of the window layers
 
     @property
     def m(self) -> int:
@@ -43,12 +52,31 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        what = f"NBL m = {self.m}" if self.m else "stock"
+        if self.windows:
+            what = f"{len(self.windows)} window layers (W = {self.window[0]})"
+        else:
+            what = f"NBL m = {self.m}" if self.m else "stock"
         return f"{what}, KV {self.kv_type}"
 
 
-def kv_bytes(model: KvModel, n_ctx: int, kv_type: str, replaced=()) -> int:
-    return kv_size(model.without(replaced), Context(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type)).bytes
+def kv_bytes(model: KvModel, n_ctx: int, kv_type: str, replaced=(), windows=(), window=None) -> int:
+    """The cache at ``n_ctx`` with the ``replaced`` layers gone and the ``windows`` layers kept over a
+    window of ``window`` = (W, sinks) tokens."""
+    return kv_size(windowed(model.without(replaced), windows, window),
+                   Context(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type)).bytes
+
+
+def windowed(model: KvModel, windows, window) -> KvModel:
+    """``model`` with the ``windows`` layers made window layers of ``window`` = (W, sinks) (a model that
+    has sliding layers of its own keeps its window: the file's keys hold one)."""
+    windows = set(windows)
+    if not windows:
+        return model
+    if model.has_sliding:
+        raise NblError("window layers in a model with sliding-window layers of its own")
+    size, sinks = window
+    return KvModel(layers=tuple(replace(layer, sliding=True) if i in windows else layer
+                                for i, layer in enumerate(model.layers)), window=size, sinks=sinks)
 
 
 def most_layers_needed(model: KvModel, n_ctx: int, budget: int, max_m: int) -> int | None:
@@ -86,8 +114,11 @@ def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int) -> int:
     return max_m if needed is None else needed
 
 
-def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int]) -> list[Candidate]:
-    """Per cache type, the shortest prefix of ``order`` whose cache fits the budget (none where no prefix does)."""
+def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int], window_order: list[int] | None = None,
+               window: tuple[int, int] | None = None) -> list[Candidate]:
+    """Per cache type, the shortest prefix of ``order`` whose cache fits the budget (none where no prefix does);
+    with ``window_order``, also the shortest prefix of it made window layers of ``window`` = (W, sinks)
+    that fits (from one window layer: no window layer is the stock candidate already)."""
     out = []
     for kv_type in KV_TYPES:
         for m in range(len(order) + 1):
@@ -95,6 +126,12 @@ def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int]) -> lis
             if size <= budget:
                 out.append(Candidate(kv_type, tuple(sorted(order[:m])), size))
                 break
+        if window_order and kv_bytes(model, n_ctx, kv_type) > budget:
+            for k in range(1, len(window_order) + 1):
+                size = kv_bytes(model, n_ctx, kv_type, windows=window_order[:k], window=window)
+                if size <= budget:
+                    out.append(Candidate(kv_type, (), size, tuple(sorted(window_order[:k])), window))
+                    break
     return out
 
 
