@@ -76,7 +76,11 @@ def main() -> int:
     parser.add_argument("--passkey-depths", default="0.1,0.5,0.9")
     parser.add_argument("--kv-ctx", default="8192,32768")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--render", action="store_true", help="only write results.md again from results.json")
     args = parser.parse_args()
+    if args.render:
+        (args.output / "results.md").write_text(render(json.loads((args.output / "results.json").read_text())))
+        return 0
 
     import gguf
 
@@ -144,8 +148,9 @@ def main() -> int:
                         "depths": depths, "llama_bench": commands},
            "rows": rows, "llama_bench": records, "elapsed_s": time.monotonic() - started}
     (out / "results.json").write_text(json.dumps(raw, indent=1))
-    (out / "results.md").write_text(render(raw))
-    print(render(raw))
+    table = render(json.loads((out / "results.json").read_text()))  # its keys as the file has them
+    (out / "results.md").write_text(table)
+    print(table)
     return 0
 
 

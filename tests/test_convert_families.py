@@ -185,8 +185,9 @@ def test_python_and_llama_cpp_agree_on_the_supported_architectures():
     assert {adapter.gguf_arch for adapter in ADAPTERS.values()} == in_cpp
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"], indirect=True)  # mistral: the llama architecture
-def test_window_layers_logits_match_pytorch(family, tmp_path):
+@pytest.mark.parametrize("family, m", [("mistral", M), ("qwen2", M), ("qwen2", 0)],  # mistral: the llama architecture
+                         indirect=["family"])
+def test_window_layers_logits_match_pytorch(family, m, tmp_path):
     """convert --windows on top of the replaced layers: the chosen window layers are attention layers
     in the file, and llama.cpp's iSWA graph (cache bounded to the window: swa_full off) gives the logits
     of the HF model with those layers' masks narrowed (apply.WindowAttention)."""
@@ -200,14 +201,15 @@ def test_window_layers_logits_match_pytorch(family, tmp_path):
 
     name, model_dir, artifact_dir, artifact = family
     output = tmp_path / f"{name}-windows.gguf"
-    summary = convert(convert_args(model=str(model_dir), calibration=str(artifact_dir), m=M, quant="f32",
+    summary = convert(convert_args(model=str(model_dir), calibration=str(artifact_dir), m=m, quant="f32",
                                    windows=2, window_size=8, window_sinks=2, window_ctx=64, output=str(output)))
     windows = nbl_format.read_windows(gguf.GGUFReader(output))
     assert windows.size == 8 and windows.sinks == 2 and len(windows.layers) == 2
     assert not set(windows.layers) & set(summary.replaced)
     assert summary.windows["layers"] == list(windows.layers)
 
-    types = artifact.layer_types(M, "cca", "attn-nbl")
+    types = artifact.layer_types(m, "cca", "attn-nbl") if m else [0] * N_LAYER
+    assert len(summary.replaced) == m
     reference = apply_nbl(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), types, artifact)
     full = apply_nbl(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), types, artifact)
     apply_nbl(reference, {i: ATTN_WINDOW for i in windows.layers}, {i: windows for i in windows.layers})
