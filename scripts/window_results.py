@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, bundled_selection_windows, write_evaluation_text  # noqa: E402
-from nbl_gguf.calibration.windows import Window, choose_windows  # noqa: E402
+from nbl_gguf.calibration.windows import Window, choose_windows, recall_window  # noqa: E402
 from nbl_gguf.gguf import nbl_format  # noqa: E402
 from nbl_gguf.measurement import frontier  # noqa: E402
 
@@ -35,8 +35,8 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def ranking(model: Path, out: Path, size: int, sinks: int, ctx: int, threads: int | None) -> dict:
-    cached = out / "choice.json"
+def ranking(model: Path, out: Path, size: int, sinks: int, ctx: int, threads: int | None, recall: bool = False) -> dict:
+    cached = out / ("choice-recall.json" if recall else "choice.json")
     if cached.is_file():
         return json.loads(cached.read_text())
     import torch
@@ -50,6 +50,8 @@ def ranking(model: Path, out: Path, size: int, sinks: int, ctx: int, threads: in
     started = time.monotonic()
     stream = LayerStream(resolve_model(str(model)), models.resolve_dtype("auto", "cpu"), "cpu")
     ids, _ = bundled_selection_windows(stream.tokenizer, {kind: 1 for kind in KINDS}, ctx)
+    if recall:  # tried for passkey retrieval: no clear gain (docs/results/window.md)
+        ids = torch.cat([ids, recall_window(ids)])
     choice = choose_windows(stream, ids, 1, Window(size, sinks))
     report = choice.report() | {"seconds": time.monotonic() - started,
                                 "order": sorted(choice.increases, key=lambda i: (choice.increases[i], i))}
@@ -68,6 +70,8 @@ def main() -> int:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--select-size", type=int, default=512)
     parser.add_argument("--select-ctx", type=int, default=4096)
+    parser.add_argument("--recall", action="store_true",
+                        help="rank with a fourth window whose second half repeats its first (calibration.windows.recall_window)")
     parser.add_argument("--compare", nargs="*", default=[], help="LABEL=GGUF files measured beside (NBL files)")
     parser.add_argument("--bench", default="stock", help="labels llama-bench measures (comma-separated; 'all')")
     parser.add_argument("--depths", default="0,4096,16384")
@@ -93,7 +97,8 @@ def main() -> int:
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
     trained = int(reader.fields[f"{arch}.context_length"].contents())
     ctx = min(args.select_ctx, trained)
-    order = ranking(args.model, out, args.select_size, args.sinks, ctx, args.threads)["order"]
+    rank = ranking(args.model, out, args.select_size, args.sinks, ctx, args.threads, args.recall)
+    order = rank["order"]
 
     ms = [n_layer // 2 if m == "half" else int(m) for m in args.m.split(",")]
     plans = [(m, int(w), args.sinks) for w in args.sizes.split(",") for m in ms]
@@ -143,7 +148,7 @@ def main() -> int:
                      "kv_bytes": {n: frontier.kv_bytes(variant.path, "f16", int(n)) for n in args.kv_ctx.split(",")},
                      "perplexity": {ctx_: {k: p.ppl for k, p in kinds.items()} for ctx_, kinds in measured.items()},
                      "speed": speeds.get(variant.label, {}), "passkey": passkeys.get(variant.label)})
-    raw = {"model": str(args.model), "n_layer": n_layer, "ranking": json.loads((out / "choice.json").read_text()),
+    raw = {"model": str(args.model), "n_layer": n_layer, "ranking": rank,
            "settings": {"short": [settings.short_ctx, settings.short_chunks], "long": [settings.long_ctx, settings.long_chunks],
                         "depths": depths, "llama_bench": commands},
            "rows": rows, "llama_bench": records, "elapsed_s": time.monotonic() - started}
