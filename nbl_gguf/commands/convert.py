@@ -363,8 +363,7 @@ def convert(args) -> Summary:
             scores=layers.scores if layers.scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
             kv=kv, kv_type=kv_type, budget=budget_report, output=output, runtime=args.runtime, resources=meter.stages,
-            windows=windows.report() if windows else None if layers.windows is None else
-            {"layers": list(layers.windows.layers), "size": layers.windows.size, "sinks": layers.windows.sinks},
+            windows=window_report(windows, layers),
             taps_state_bytes=(taps_state(gguf.GGUFReader(output), types) or {}).get("state_bytes_per_sequence", 0),
         )
 
@@ -398,7 +397,7 @@ def check_windows(args, source, n_layer: int) -> int | None:
     """--windows and its companions checked before any work; the context the choice is measured at."""
     import json as _json
 
-    from nbl_gguf import kv_cache, models
+    from nbl_gguf import kv_cache
     from nbl_gguf.calibration.windows import DEFAULT_CTX
     from nbl_gguf.gguf import nbl_format
 
@@ -409,15 +408,16 @@ def check_windows(args, source, n_layer: int) -> int | None:
                        f"(--runtime nbl)")
     if args.kv_budget is not None:
         raise NblError("--windows and --kv-budget: the budget does not choose window layers yet (leave one out)")
+    arch = source_architecture(source)
     if source.gguf is not None:
         import gguf
 
         from nbl_gguf.gguf.inspect import training_context
 
-        arch, trained = source.gguf.architecture, training_context(gguf.GGUFReader(source.gguf.path))
+        trained = training_context(gguf.GGUFReader(source.gguf.path))
     else:
         config = _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
-        arch, trained = models.get_adapter(config).gguf_arch, kv_cache.training_context_from_config(config)
+        trained = kv_cache.training_context_from_config(config)
     if arch not in nbl_format.WINDOW_ARCHITECTURES:
         raise NblError(f"--windows: the patched llama.cpp runs window layers for "
                        f"{', '.join(nbl_format.WINDOW_ARCHITECTURES)}; {source.name} is a '{arch}' model")
@@ -462,17 +462,33 @@ def window_layers(args, source, layers, ctx: int, count: int | None = None):
                           replaced=replaced, maps=maps)
 
 
-def budget_window_order(args, source, n_layer: int, ctx: int) -> list[int] | None:
-    """The layers in the order their window costs least (each measured alone on the stock model), when the
-    file can carry window layers; else None."""
+def window_report(choice, layers) -> dict | None:
+    """The summary's window layers: --windows' measured choice, or the ones a --kv-budget candidate had."""
+    if choice is not None:
+        return choice.report()
+    if layers.windows is None:
+        return None
+    return {"layers": list(layers.windows.layers), "size": layers.windows.size, "sinks": layers.windows.sinks}
+
+
+def source_architecture(source) -> str:
+    """The GGUF architecture of --model (a GGUF's own; the one a HF folder converts to)."""
     import json as _json
 
     from nbl_gguf import models
+
+    if source.gguf is not None:
+        return source.gguf.architecture
+    return models.get_adapter(_json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))).gguf_arch
+
+
+def budget_window_order(args, source, n_layer: int, ctx: int) -> list[int] | None:
+    """The layers in the order their window costs least (each measured alone on the stock model), when the
+    file can carry window layers; else None."""
     from nbl_gguf.gguf import nbl_format
 
-    arch = source.gguf.architecture if source.gguf is not None else models.get_adapter(
-        _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))).gguf_arch
-    if args.runtime != "nbl" or arch not in nbl_format.WINDOW_ARCHITECTURES or ctx <= 2 * args.window_size:
+    if args.runtime != "nbl" or source_architecture(source) not in nbl_format.WINDOW_ARCHITECTURES \
+            or ctx <= 2 * args.window_size:
         return None
     stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
     choice = window_layers(args, source, stock, ctx, count=1)
