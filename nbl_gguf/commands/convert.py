@@ -339,9 +339,12 @@ def convert(args) -> Summary:
         heldout = None
         if not args.no_eval:
             with stage("held-out perplexity"):
-                # a window only shows past its size: then the evaluation is at the windows' long context
+                # a window only shows past its size: then the evaluation is at a long context (--window-ctx,
+                # or the budget's)
+                long_ctx = window_ctx or (budget.eval_ctx if budget is not None else None)
                 heldout = heldout_perplexities(stock_final, output, tmp, args, kv_type,
-                                               **({"n_ctx": window_ctx, "chunks": 1} if windows else {}))
+                                               **({"n_ctx": long_ctx, "chunks": 1}
+                                                  if layers.windows is not None and long_ctx else {}))
         progress.close()
         _default_permissions(output)
 
