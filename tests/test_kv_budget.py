@@ -149,6 +149,29 @@ def test_convert_meets_the_budget_as_llama_cpp_allocates_it(tiny_gguf, tmp_path,
     assert records[0]["kv_mib"] * 2 ** 20 <= budget + 0.01 * 2 ** 20
 
 
+def test_window_candidates_are_measured_with_their_windows(tiny_gguf, tmp_path, monkeypatch, capsys):
+    """With a window that shows at the budget's context, each KV type also gets window-layer candidates;
+    each is measured as its own file (a window candidate replaces no layer, and was once taken for the
+    stock file: its F16 change then read +0.00%)."""
+    import gguf
+
+    from nbl_gguf.gguf import nbl_format
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out.gguf"
+    assert main(["convert", "--model", str(tiny_gguf), "--kv-budget", "1.2MiB", "--ctx-size", "4096", "--window-size", "64",
+                 "--window-sinks", "2", "--nsamples", "8", "--seqlen", "64", "--no-progress", "--threads", "1",
+                 "--eval-chunks", "1", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    windowed = [line for line in printed.splitlines() if " window layers (W = 64), KV " in line and "MiB" in line]
+    assert any("KV f16" in line for line in windowed), printed
+    for line in windowed:
+        assert not line.split("MiB")[1].strip().startswith("+0.00%"), line
+    chosen = next(line for line in printed.splitlines() if line.endswith("<- chosen"))
+    windows = nbl_format.read_windows(gguf.GGUFReader(out))
+    assert (windows is not None) == ("window layers" in chosen)
+
+
 def test_the_summary_gives_kv_and_run_flags_at_the_kv_type(tmp_path):
     """convert --kv-type q8_0: the KV rows in that type's bytes (34 bytes a block of 32 values, against 64 in
     F16) and the flags to run the file with."""

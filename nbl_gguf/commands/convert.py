@@ -567,17 +567,14 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
                        f"{budget.most_layers} layers replaced); raise the budget")
     files = {}
     for candidate in found:
-        if candidate.m == 0:
+        if candidate.is_stock:
             files[candidate] = stock
             continue
-        if candidate.windows:
-            path = files[candidate] = tmp / f"budget-w{len(candidate.windows)}-{candidate.kv_type}.gguf"
-            surgery(stock, path, budget_layers(candidate, artifact, args, source, method, n_layer, taps), args, imatrix)
-            continue
-        path = files[candidate] = tmp / f"budget-m{candidate.m}.gguf"
+        # a prefix of its order: the same file serves that prefix at every cache type
+        name = f"w{len(candidate.windows)}" if candidate.windows else f"m{candidate.m}"
+        path = files[candidate] = tmp / f"budget-{name}.gguf"
         if not path.is_file():
-            surgery(stock, path, nbl_layers(artifact, args, source, method, n_layer, taps, list(candidate.layers)),
-                    args, imatrix)
+            surgery(stock, path, budget_layers(candidate, artifact, args, source, method, n_layer, taps), args, imatrix)
     # enough for the chunks at any tokenizer's length of token (llama-perplexity wants 2 x ctx tokens)
     chars = CHARS_PER_TOKEN_BOUND * 2 * budget.eval_ctx * BUDGET_CHUNKS
     texts = {kind: write_selection_text(kind, tmp / f"budget-{kind}.txt", chars) for kind in KINDS}

@@ -51,11 +51,16 @@ class Candidate:
         return len(self.layers)
 
     @property
+    def is_stock(self) -> bool:
+        """No layer replaced nor windowed: the stock file itself, with this cache type."""
+        return not self.layers and not self.windows
+
+    @property
     def label(self) -> str:
         if self.windows:
             what = f"{len(self.windows)} window layers (W = {self.window[0]})"
         else:
-            what = f"NBL m = {self.m}" if self.m else "stock"
+            what = "stock" if self.is_stock else f"NBL m = {self.m}"
         return f"{what}, KV {self.kv_type}"
 
 
