@@ -10,7 +10,7 @@ sliding ones with attention sinks: their cache holds the sinks too, ``(n_swa + s
 (patch 0004). Each cell of a layer holds its K and V rows: ``n_head_kv * head_dim`` values each, in
 the cache type (F16 by default).
 
-Pure arithmetic on a description of the layers, so that it serves a GGUF's metadata (gguf.inspect)
+Pure arithmetic on a description of the layers, so that it serves a GGUF's metadata (gguf.metadata)
 as well as a Hugging Face config.
 """
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable
 
+from nbl_gguf.architectures import ARCHITECTURES
 from nbl_gguf.errors import NblError
+from nbl_gguf.models import ADAPTERS
 
 CELL_PADDING = 256  # llama.cpp pads the context, and the sliding-window cache, to a multiple of 256
 # the cache types llama.cpp accepts (-ctk/-ctv): values per block and bytes per block
@@ -164,16 +166,6 @@ def kv_size(model: KvModel, context: Context) -> KvSize:
 
 # --- from a Hugging Face config -----------------------------------------------------------------------
 
-# Which layers slide in the GGUF that the pinned converter writes for a HF config, as llama.cpp then
-# reads it (gguf.inspect.SLIDING_WINDOW_RULES): gemma2 gets the config's window and llama.cpp's
-# pattern 2; gemma3 gets its window, and llama.cpp's pattern 6 (the converter writes no pattern key,
-# so llama.cpp's default holds whatever the config's layer_types say), none with a pattern of 1.
-# Every other supported family attends to the whole context in llama.cpp (a Mistral or Qwen2
-# sliding_window included).
-CONFIG_SLIDING_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
-GEMMA2_DEFAULT_WINDOW = 4096  # transformers' Gemma2Config default
-
-
 def _as_dict(config) -> dict:
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     return config
@@ -198,10 +190,16 @@ def model_from_config(config) -> KvModel:
         raise NblError(f"the model's config has no usable {error.args[0] if error.args else 'attention shape'}") from None
     n_head_kv = int(text.get("num_key_value_heads") or n_head)
     head_dim = int(text.get("head_dim") or hidden // n_head)
-    window, pattern = 0, CONFIG_SLIDING_PATTERNS.get(model_type)
+    # Which layers slide in the GGUF that the pinned converter writes for the config, as llama.cpp
+    # then reads it: the config's window (or the architecture's default) and the architecture's pattern,
+    # since the converter writes no pattern key (gemma3's 6 holds whatever the config's layer_types
+    # say); none with a config pattern of 1. A family whose architecture has no pattern attends to the
+    # whole context in llama.cpp (a Mistral or Qwen2 sliding_window included).
+    adapter = ADAPTERS.get(model_type)
+    architecture = ARCHITECTURES.get(adapter.gguf_arch) if adapter is not None else None
+    window, pattern = 0, architecture.sliding_pattern if architecture is not None else None
     if pattern is not None and text.get("sliding_window_pattern") != 1:
-        default = GEMMA2_DEFAULT_WINDOW if model_type == "gemma2" else 0
-        window = int(text.get("sliding_window") or default)
+        window = int(text.get("sliding_window") or architecture.default_window)
     sliding = [bool(window) and i % pattern < pattern - 1 for i in range(n_layer)] if pattern else [False] * n_layer
     width = n_head_kv * head_dim
     return KvModel(layers=tuple(KvLayer(width, width, sliding=flag) for flag in sliding), window=window)

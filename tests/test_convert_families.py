@@ -90,7 +90,7 @@ def test_nbl_gguf_logits_match_pytorch(family, method, tmp_path):
     types = artifact.layer_types(M, "cca", method)
     assert [i for i, t in enumerate(types) if t] == summary.replaced
     # the KV cache the calibration reported from the HF config is what llama.cpp reads from the file
-    from nbl_gguf.gguf.inspect import kv_sizes, stock_kv_model
+    from nbl_gguf.gguf.metadata import kv_sizes, stock_kv_model
     from nbl_gguf.kv_cache import model_from_config
 
     assert model_from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8"))) == stock_kv_model(reader)

@@ -120,7 +120,7 @@ def test_bad_budgets_are_refused_before_any_work(tiny_gguf, tmp_path, capsys):
 def test_convert_meets_the_budget_as_llama_cpp_allocates_it(tiny_gguf, tmp_path, monkeypatch, capsys):
     import gguf
 
-    from nbl_gguf.gguf.inspect import file_layer_types
+    from nbl_gguf.gguf.metadata import file_layer_types
     from nbl_gguf.measurement.llama_bench import run_llama_bench
 
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))

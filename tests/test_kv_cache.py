@@ -19,9 +19,10 @@ MIB = 1024 * 1024
 
 # --- hand arithmetic ---------------------------------------------------------------------------------
 
-def gemma3_270m_metadata(path: Path, arch: str = "gemma3", pattern=None) -> Path:
+def gemma3_270m_metadata(path: Path, arch: str = "gemma3", pattern=None, window: int | None = 512) -> Path:
     """A GGUF with Gemma-3-270M's attention keys and no tensors: 18 layers, 4 heads, 1 KV head of 256
-    dims, a 512-token window, every sixth layer global (llama.cpp's default pattern for gemma3)."""
+    dims, a 512-token window (None: no sliding_window key), every sixth layer global (llama.cpp's
+    default pattern for gemma3)."""
     import gguf
 
     writer = gguf.GGUFWriter(path, arch=arch)
@@ -34,7 +35,8 @@ def gemma3_270m_metadata(path: Path, arch: str = "gemma3", pattern=None) -> Path
     writer.add_head_count_kv(1)
     writer.add_key_length(256)
     writer.add_value_length(256)
-    writer.add_sliding_window(512)
+    if window is not None:
+        writer.add_sliding_window(window)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -51,7 +53,7 @@ M4 = [0, 1, 2, 5]  # three sliding layers and one global one: the m = 4 of issue
 def test_gemma3_270m_by_hand(tmp_path):
     import gguf
 
-    from nbl_gguf.gguf.inspect import kv_model, kv_sizes
+    from nbl_gguf.gguf.metadata import kv_model, kv_sizes
 
     reader = gguf.GGUFReader(gemma3_270m_metadata(tmp_path / "gemma-3-270m.gguf"))
     model = kv_model(reader)
@@ -76,7 +78,7 @@ def test_gemma3_270m_summary_rows(tmp_path):
     import gguf
 
     from nbl_gguf.commands.convert_summary import Summary
-    from nbl_gguf.gguf.inspect import kv_sizes
+    from nbl_gguf.gguf.metadata import kv_sizes
 
     reader = gguf.GGUFReader(gemma3_270m_metadata(tmp_path / "gemma-3-270m.gguf"))
     types = [L if i in M4 else A for i in range(18)]
@@ -97,7 +99,7 @@ def test_which_layers_slide(tmp_path, capsys):
     import gguf
 
     from nbl_gguf import cli
-    from nbl_gguf.gguf.inspect import kv_model
+    from nbl_gguf.gguf.metadata import kv_model
 
     def global_layers(path):
         return [i for i, layer in enumerate(kv_model(gguf.GGUFReader(path)).layers) if not layer.sliding]
@@ -114,6 +116,32 @@ def test_which_layers_slide(tmp_path, capsys):
     # an architecture whose rules these figures do not know says so
     assert cli.main(["inspect", str(gemma3_270m_metadata(tmp_path / "cohere2.gguf", arch="cohere2"))]) == 0
     assert "cohere2: llama.cpp's sliding-window layers of this architecture are not modelled" in capsys.readouterr().out
+
+
+GEMMA3_270M_CONFIG = {"num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                      "hidden_size": 640}
+
+
+@pytest.mark.parametrize("arch, model_type, window", [
+    ("gemma3", "gemma3_text", 512),
+    ("gemma3", "gemma3", 512),
+    ("gemma2", "gemma2", 512),
+    ("gemma2", "gemma2", None),  # no window given: llama.cpp's and transformers' default, 4096
+    ("qwen2", "qwen2", 512),  # a window key llama.cpp ignores: every layer global
+])
+def test_a_config_and_its_gguf_get_the_same_layout(tmp_path, arch, model_type, window):
+    """One architecture table serves a GGUF's metadata and a HF config: the config of a model and
+    the GGUF the converter makes of it slide the same layers over the same window."""
+    import gguf
+
+    from nbl_gguf.gguf.metadata import kv_model
+    from nbl_gguf.kv_cache import model_from_config
+
+    path = gemma3_270m_metadata(tmp_path / f"{arch}.gguf", arch=arch, window=window)
+    config = {"model_type": model_type, **GEMMA3_270M_CONFIG, **({} if window is None else {"sliding_window": window})}
+    from_gguf = kv_model(gguf.GGUFReader(path))
+    assert model_from_config(config) == from_gguf
+    assert from_gguf.window == (0 if arch == "qwen2" else window or 4096)
 
 
 def test_cells_follow_llama_cpp_rules():
@@ -250,7 +278,7 @@ def mib(n_bytes: int) -> str:
 def test_sizes_are_those_libllama_allocates(files, name):
     import gguf
 
-    from nbl_gguf.gguf.inspect import kv_sizes
+    from nbl_gguf.gguf.metadata import kv_sizes
     from nbl_gguf.llamacpp import library
 
     reader = gguf.GGUFReader(files[name])
@@ -269,7 +297,7 @@ def test_the_sizes_tell_the_layers_apart(files):
     """What was compared: the caches differ between the layouts, layers and settings that should differ."""
     import gguf
 
-    from nbl_gguf.gguf.inspect import kv_sizes
+    from nbl_gguf.gguf.metadata import kv_sizes
 
     gemma3 = gguf.GGUFReader(files["gemma3-nbl"])
     at_4096 = kv_sizes(gemma3, 4096)[1].caches

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 RANKS = {
     "nbl_gguf": 0,  # the package itself (__version__)
     "nbl_gguf.errors": 0,
+    "nbl_gguf.architectures": 0,
     "nbl_gguf.kv_cache": 0,
     "nbl_gguf.outputs": 0,
     "nbl_gguf.models": 0,

@@ -14,7 +14,7 @@ from _llama_context import Context
 from nbl_gguf import kv_cache
 from nbl_gguf.errors import NblError
 from nbl_gguf.fixtures.tiny import TinyLlama
-from nbl_gguf.gguf import inspect as gguf_inspect
+from nbl_gguf.gguf import metadata
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.llamacpp import library
 from nbl_gguf.llamacpp import tools as llamacpp
@@ -164,7 +164,7 @@ def test_window_cache_is_the_window_the_sinks_and_a_ubatch(tmp_path):
     path = reference.write(tmp_path / "window.gguf")
     n_ctx, n_ubatch = 4096, 512
     _, caches = library.load_model_caches(path, n_ctx=n_ctx, n_ubatch=n_ubatch, swa_full=False, f32_kv=True)
-    sizes = kv_cache.kv_size(gguf_inspect.kv_model(gguf.GGUFReader(path)),
+    sizes = kv_cache.kv_size(metadata.kv_model(gguf.GGUFReader(path)),
                              kv_cache.Context(n_ctx=n_ctx, n_ubatch=n_ubatch, type_k="f32", type_v="f32"))
     assert [(c.cells, c.layers) for c in caches] == [(4096, 1), (1280, 2)]  # pad256(700 + 4 + 512)
     assert [(c.cells, c.layers) for c in sizes.caches.values()] == [(4096, 1), (1280, 2)]

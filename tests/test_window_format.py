@@ -10,6 +10,7 @@ from nbl_gguf import kv_cache
 from nbl_gguf.errors import NblError
 from nbl_gguf.fixtures.tiny import TinyLlama
 from nbl_gguf.gguf import inspect as gguf_inspect
+from nbl_gguf.gguf import metadata
 from nbl_gguf.gguf import nbl_format
 
 A, L = nbl_format.ATTENTION, nbl_format.LINEAR
@@ -75,7 +76,7 @@ def test_window_cache_cells_follow_llama_cpps_rule_with_the_sinks(n_ctx, n_seq, 
 
 def test_inspect_counts_the_stock_model_with_every_layer_global(tmp_path):
     path = write(tmp_path, [A, A, A, A], nbl_format.Windows(layers=(1, 2), size=100, sinks=4))
-    size_stock, size_file = gguf_inspect.kv_sizes(gguf.GGUFReader(path), 32768)
+    size_stock, size_file = metadata.kv_sizes(gguf.GGUFReader(path), 32768)
     assert list(size_stock.caches) == [kv_cache.GLOBAL] and size_stock.caches[kv_cache.GLOBAL].layers == 4
     assert size_file.caches[kv_cache.SLIDING].cells == 768 and size_file.caches[kv_cache.SLIDING].layers == 2
     assert size_file.bytes == pytest.approx(size_stock.bytes * (2 * 32768 + 2 * 768) / (4 * 32768))

@@ -194,7 +194,7 @@ def convert(args) -> Summary:
     from nbl_gguf.calibration.calibrate import calibrate, describe_artifact
     from nbl_gguf.gguf import nbl_format
     from nbl_gguf.gguf.hf_to_gguf import check_conversion_space, check_hf_folder, convert_hf_to_gguf, model_shape
-    from nbl_gguf.gguf.inspect import kv_sizes, taps_state, training_context
+    from nbl_gguf.gguf.metadata import kv_sizes, taps_state, training_context
     from nbl_gguf.gguf.quantize import compute_imatrix, quantize
 
     # cheap checks first: a typo must not cost a calibration
@@ -415,7 +415,7 @@ def check_windows(args, source, n_layer: int) -> int | None:
     if source.gguf is not None:
         import gguf
 
-        from nbl_gguf.gguf.inspect import training_context
+        from nbl_gguf.gguf.metadata import training_context
 
         trained = training_context(gguf.GGUFReader(source.gguf.path))
     else:
@@ -529,7 +529,7 @@ def check_kv_budget(args, source, n_layer: int) -> KvBudget:
     if source.gguf is not None:
         import gguf
 
-        from nbl_gguf.gguf.inspect import stock_kv_model, training_context
+        from nbl_gguf.gguf.metadata import stock_kv_model, training_context
 
         reader = gguf.GGUFReader(source.gguf.path)
         model, trained = stock_kv_model(reader), training_context(reader)

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 def run_files(args: argparse.Namespace) -> int:
     """llama-perplexity and the task files on each GGUF given; the table on stdout, -o: JSON too."""
     from nbl_gguf.calibration.dataset import write_heldout_text
-    from nbl_gguf.gguf.inspect import open_model_gguf
+    from nbl_gguf.gguf.metadata import open_model_gguf
     from nbl_gguf.measurement.perplexity import evaluate, format_results
     from nbl_gguf.measurement.tasks import _task_files, check_text
     from nbl_gguf.outputs import check_output_file

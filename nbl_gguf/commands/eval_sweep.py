@@ -24,7 +24,7 @@ def run_sweep(args) -> int:
     from nbl_gguf.gguf import nbl_format
     from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, model_shape
     from nbl_gguf.gguf.quantize import check_quant
-    from nbl_gguf.gguf.inspect import kv_bytes_per_token
+    from nbl_gguf.gguf.metadata import kv_bytes_per_token
     from nbl_gguf.model_source import is_gguf_file, resolve_model
     from nbl_gguf.measurement.perplexity import evaluate
     from nbl_gguf.measurement.tasks import _task_files, check_text

@@ -246,7 +246,7 @@ def run_frontier(args) -> int:
     import gguf
 
     from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, write_evaluation_text
-    from nbl_gguf.gguf.inspect import training_context
+    from nbl_gguf.gguf.metadata import training_context
     from nbl_gguf.measurement import frontier
     from nbl_gguf.measurement.bench_report import machine_description
     from nbl_gguf.measurement.llama_bench import resolve_backends

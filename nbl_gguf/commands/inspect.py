@@ -1,5 +1,5 @@
 """`inspect`: the NBL layer map of a GGUF (stock files too), its provenance, tensors and KV cache cost
-(the reading and the text: nbl_gguf.gguf.inspect)."""
+(as data and as text: nbl_gguf.gguf.inspect; the reading: nbl_gguf.gguf.metadata)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What a GGUF holds (stock files too): its NBL layer map, provenance, tensors and KV cache cost, as data
-(describe) and as the text `inspect` prints (format_text; the command: nbl_gguf.commands.inspect).
-
-Reads the file with gguf-py only (memory-mapped; no torch, no llama.cpp).
+(describe) and as the text `inspect` prints (format_text; the command: nbl_gguf.commands.inspect). The
+reading itself, fields and KV layout: gguf.metadata.
 """
 
 from __future__ import annotations
@@ -9,12 +8,23 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 from nbl_gguf.calibration.artifact import CRITERIA
-from nbl_gguf.errors import NblError
-from nbl_gguf.kv_cache import Context, KvLayer, KvModel, KvSize, kv_size
+from nbl_gguf.kv_cache import KvSize
+from nbl_gguf.gguf.metadata import (
+    file_layer_types,
+    file_type_name,
+    kv_bytes_per_token,
+    kv_model,
+    kv_sizes,
+    open_model_gguf,
+    read_field,
+    sliding_window_modelled,
+    stock_layout_kv_without_flash_attention,
+    taps_state,
+    training_context,
+)
 from nbl_gguf.gguf.nbl_format import (
     ATTENTION,
     CALIBRATION_KEY,
@@ -23,8 +33,6 @@ from nbl_gguf.gguf.nbl_format import (
     METHOD_KEY,
     SCORES_CRITERION_KEY,
     SCORES_KEY,
-    TAPS,
-    TAPS_KEY,
     WINDOW,
     layer_of,
     read_layer_types,
@@ -32,7 +40,6 @@ from nbl_gguf.gguf.nbl_format import (
 )
 from nbl_gguf.gguf.stock_layout import read_stock_layer_types
 
-KV_BYTES = 2  # the KV cache is F16 by default in llama.cpp
 DEFAULT_CTX = 4096  # the KV figures' context for a file that names no training context
 CONTEXT_SETTINGS = "F16 K and V, one sequence, n_ubatch 512, flash attention not off, no --swa-full"
 LAYOUTS = {
@@ -40,173 +47,6 @@ LAYOUTS = {
     "nbl": "NBL (patched llama.cpp)",
     "stock-layout": "NBL stock layout (deci)",
 }
-GGUF_MAGIC = b"GGUF"
-# how gguf-py fails when a field or a tensor runs past the end of the file (a cut download or copy)
-GGUF_PAST_THE_END = ("exceeds remaining file size", "cannot reshape array of size")
-
-
-def open_gguf(path: str | os.PathLike):
-    import gguf
-
-    path = Path(path)
-    if not path.exists():
-        raise NblError(f"{path} does not exist")
-    if not path.is_file():
-        raise NblError(f"{path} is not a file")
-    with path.open("rb") as handle:
-        magic = handle.read(4)
-    if magic != GGUF_MAGIC:
-        raise NblError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as error:  # noqa: BLE001 - gguf-py raises assorted types for damaged files
-        if any(sign in str(error) for sign in GGUF_PAST_THE_END):
-            raise NblError(f"{path} is truncated (or its header is damaged): the file ends before the data its "
-                           f"header declares ({path.stat().st_size:,} bytes; gguf-py: {error})") from error
-        raise NblError(f"{path} is not a readable GGUF file: {error}") from error
-
-
-def open_model_gguf(path: str | os.PathLike):
-    """(reader, architecture) of a model GGUF; a GGUF without an architecture is a clear error."""
-    reader = open_gguf(path)
-    if "general.architecture" not in reader.fields:
-        raise NblError(f"{path} has no general.architecture: not a model GGUF")
-    return reader, str(_field(reader, "general.architecture"))
-
-
-def _field(reader, key, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _per_layer(value, n_layer: int) -> list[int]:
-    if isinstance(value, list):
-        return [int(v) for v in value]
-    return [int(value)] * n_layer
-
-
-# Which layers llama.cpp's loader makes sliding-window ones (src/models/<arch>.cpp): the window it
-# assumes without a <arch>.attention.sliding_window key (None: no key, no sliding layers) and the
-# pattern p that makes layer i slide when i % p < p - 1, unless <arch>.attention.sliding_window_pattern
-# gives another p or one flag per layer
-SLIDING_WINDOW_RULES = {"gemma2": (4096, 2), "gemma3": (None, 6)}
-# every layer of these attends to the whole context in llama.cpp, whatever sliding_window key the file
-# carries (phi3 turns its window off; llama, qwen2 and smollm3 have none in llama.cpp), except the
-# window layers that a sliding_window_pattern array marks for the patched llama.cpp (llama, qwen2)
-FULL_ATTENTION_ARCHITECTURES = ("llama", "deci", "qwen2", "qwen3", "phi3", "smollm3")
-
-
-def sliding_layers(reader) -> tuple[int, list[bool]]:
-    """(window, whether each layer slides) as llama.cpp reads them from the file."""
-    arch = str(_field(reader, "general.architecture"))
-    n_layer = int(_field(reader, f"{arch}.block_count"))
-    windows = read_windows(reader)
-    if windows is not None:
-        return windows.size, windows.pattern(n_layer)
-    if arch not in SLIDING_WINDOW_RULES:
-        return 0, [False] * n_layer
-    default_window, pattern = SLIDING_WINDOW_RULES[arch]
-    window = _field(reader, f"{arch}.attention.sliding_window", default_window)
-    if not window:
-        return 0, [False] * n_layer
-    flags = _field(reader, f"{arch}.attention.sliding_window_pattern", pattern)
-    if isinstance(flags, list):
-        if len(flags) != n_layer:
-            raise NblError(f"{arch}.attention.sliding_window_pattern has {len(flags)} flags for {n_layer} layers")
-        return int(window), [bool(flag) for flag in flags]
-    pattern = int(flags)
-    return int(window), [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layer)]
-
-
-def sliding_window_modelled(reader) -> bool:
-    """False for an architecture whose sliding-window layers, if it has any, these figures do not know."""
-    arch = str(_field(reader, "general.architecture"))
-    return (arch in SLIDING_WINDOW_RULES or arch in FULL_ATTENTION_ARCHITECTURES
-            or _field(reader, f"{arch}.attention.sliding_window") is None)
-
-
-def kv_model(reader, layer_types=None) -> KvModel:
-    """The KV layout llama.cpp gives the file: per layer its K and V widths, whether it slides, and
-    whether it has a cache (not where ``layer_types``, by default the file's own, replaced it)."""
-    arch = str(_field(reader, "general.architecture"))
-    n_layer = int(_field(reader, f"{arch}.block_count"))
-    n_embd = int(_field(reader, f"{arch}.embedding_length"))
-    n_head = _per_layer(_field(reader, f"{arch}.attention.head_count"), n_layer)
-    n_head_kv = _per_layer(_field(reader, f"{arch}.attention.head_count_kv", _field(reader, f"{arch}.attention.head_count")), n_layer)
-    # llama.cpp takes the head size from layer 0's head count unless the file gives it
-    head_dim = n_embd // n_head[0] if n_head and n_head[0] else 0
-    k_len = int(_field(reader, f"{arch}.attention.key_length", head_dim))
-    v_len = int(_field(reader, f"{arch}.attention.value_length", head_dim))
-    k_len_swa = int(_field(reader, f"{arch}.attention.key_length_swa", k_len))
-    v_len_swa = int(_field(reader, f"{arch}.attention.value_length_swa", v_len))
-    window, sliding = sliding_layers(reader)
-    types = layer_types if layer_types is not None else read_layer_types(reader)
-    layers = []
-    for layer in range(n_layer):
-        k, v = (k_len_swa, v_len_swa) if sliding[layer] else (k_len, v_len)
-        # the NBL layout's replaced layers own no cache (patch 0004); the stock layout's are deci layers
-        # with head_count_kv = 0, which keep an entry of zero width
-        cached = types is None or types[layer] == ATTENTION
-        layers.append(KvLayer(k_width=n_head_kv[layer] * k, v_width=n_head_kv[layer] * v,
-                              sliding=sliding[layer], cached=cached))
-    windows = read_windows(reader)
-    return KvModel(layers=tuple(layers), window=window, sinks=windows.sinks if windows is not None else 0)
-
-
-def stock_kv_model(reader) -> KvModel:
-    """The KV layout of the model before any layer was replaced."""
-    arch = str(_field(reader, "general.architecture"))
-    model = kv_model(reader, layer_types=[ATTENTION] * int(_field(reader, f"{arch}.block_count")))
-    if read_windows(reader) is not None:
-        # the window layers were full attention layers before
-        model = KvModel(layers=tuple(replace(layer, sliding=False) for layer in model.layers))
-    if read_stock_layer_types(reader) is None:
-        return model
-    # the stock layout keeps no heads for replaced layers; llama-family models have the same heads in
-    # every layer, so each layer of the unreplaced model costs what an attention layer costs
-    widest = max(model.layers, key=lambda layer: layer.k_width + layer.v_width)
-    return KvModel(layers=tuple(widest for _ in model.layers), window=model.window)
-
-
-def stock_layout_kv_without_flash_attention(reader) -> int:
-    """KV bytes per token of a stock-layout file when flash attention is off: llama.cpp keeps every
-    deci layer in the cache and, with V stored transposed, pads each layer's V to the widest, so the
-    replaced layers lose only their K (docs/gguf-format.md, "Stock layout")."""
-    layers = kv_model(reader).layers
-    v_max = max((layer.v_width for layer in layers), default=0)
-    return sum((layer.k_width + v_max) * KV_BYTES for layer in layers)
-
-
-def kv_bytes_per_token(reader, layer_types=None) -> tuple[int, int]:
-    """(stock, this file) KV bytes per cell, summed over the layers that cache (F16): the cost of one more
-    token of context in a model without sliding-window layers. Sizes at a context: kv_sizes()."""
-    stock = stock_kv_model(reader)
-    types = layer_types if layer_types is not None else file_layer_types(reader)
-    nbl = stock if types is None else stock.without(i for i, t in enumerate(types) if t != ATTENTION)
-
-    def per_cell(model):
-        return sum((layer.k_width + layer.v_width) * KV_BYTES for layer in model.layers if layer.cached)
-
-    return per_cell(stock), per_cell(nbl)
-
-
-def kv_sizes(reader, n_ctx: int, layer_types=None, **settings) -> tuple[KvSize, KvSize]:
-    """(stock, this file) KV cache as llama.cpp allocates it at ``n_ctx`` (llama-cli's settings unless
-    ``settings`` name other kv_cache.Context fields); with ``layer_types``, this file as if those layers
-    were replaced."""
-    stock = stock_kv_model(reader)
-    if layer_types is None:
-        nbl = kv_model(reader)
-    else:
-        nbl = stock.without(i for i, t in enumerate(layer_types) if t != ATTENTION)
-    context = Context(n_ctx=n_ctx, **settings)
-    return kv_size(stock, context), kv_size(nbl, context)
-
-
-def file_layer_types(reader) -> list[int] | None:
-    """The NBL layer types of either layout, or None for a stock GGUF."""
-    types = read_layer_types(reader)
-    return types if types is not None else read_stock_layer_types(reader)
 
 
 def layout(reader) -> tuple[str, bool]:
@@ -220,25 +60,6 @@ def layout(reader) -> tuple[str, bool]:
     return LAYOUTS["stock"], True
 
 
-def taps_state(reader, types) -> dict | None:
-    """Tokens a taps layer reads and the F32 state llama.cpp keeps for them per sequence (the inputs of
-    the last taps - 1 tokens of every taps layer), or None without taps layers."""
-    arch = str(_field(reader, "general.architecture"))
-    n_taps = _field(reader, TAPS_KEY.format(arch=arch))
-    layers = sum(1 for t in types or [] if t == TAPS)
-    if n_taps is None or not layers:
-        return None
-    n_embd = int(_field(reader, f"{arch}.embedding_length"))
-    return {"taps": int(n_taps), "layers": layers,
-            "state_bytes_per_sequence": layers * (int(n_taps) - 1) * n_embd * 4}
-
-
-def training_context(reader) -> int | None:
-    arch = str(_field(reader, "general.architecture"))
-    value = _field(reader, f"{arch}.context_length")
-    return None if value is None else int(value)
-
-
 def cache_json(size: KvSize) -> dict:
     return {"bytes": size.bytes, "caches": {name: {"cells": cache.cells, "layers": cache.layers,
                                                    "k_bytes": cache.k_bytes, "v_bytes": cache.v_bytes}
@@ -247,29 +68,22 @@ def cache_json(size: KvSize) -> dict:
 
 def describe(path: str | os.PathLike, n_ctx: int | None = None) -> dict:
     """Everything `inspect` prints, as plain data; KV cache sizes at ``n_ctx`` (default: the training context)."""
-    import gguf
-
     path = Path(path)
     reader, arch = open_model_gguf(path)
-    n_layer = int(_field(reader, f"{arch}.block_count", 0))
+    n_layer = int(read_field(reader, f"{arch}.block_count", 0))
     types = file_layer_types(reader)
     layout_name, stock_runs = layout(reader)
-    scores = _field(reader, SCORES_KEY)
-    criterion = _field(reader, CRITERION_KEY)
+    scores = read_field(reader, SCORES_KEY)
+    criterion = read_field(reader, CRITERION_KEY)
     # files from before nbl.scores_criterion record scores of a local criterion only, under nbl.criterion
-    scores_criterion = _field(reader, SCORES_CRITERION_KEY,
-                              criterion if scores is not None and criterion in CRITERIA else None)
-    calibration = _field(reader, CALIBRATION_KEY)
+    scores_criterion = read_field(reader, SCORES_CRITERION_KEY,
+                                  criterion if scores is not None and criterion in CRITERIA else None)
+    calibration = read_field(reader, CALIBRATION_KEY)
     if calibration is not None:
         try:
             calibration = json.loads(calibration)
         except json.JSONDecodeError:
             pass
-    file_type = _field(reader, "general.file_type")
-    try:
-        file_type_name = gguf.LlamaFileType(int(file_type)).name.replace("MOSTLY_", "").replace("ALL_", "")
-    except (TypeError, ValueError):
-        file_type_name = None if file_type is None else str(file_type)
 
     layer_tensors: dict[int, list[dict]] = defaultdict(list)
     tensors = []
@@ -311,14 +125,14 @@ def describe(path: str | os.PathLike, n_ctx: int | None = None) -> dict:
         "file": str(path),
         "file_bytes": path.stat().st_size,
         "architecture": arch,
-        "name": _field(reader, "general.name"),
-        "file_type": file_type_name,
+        "name": read_field(reader, "general.name"),
+        "file_type": file_type_name(read_field(reader, "general.file_type")),
         "nbl": types is not None,
         "layout": layout_name,
         "stock_llama_cpp_runs_it": stock_runs,
         "block_count": n_layer,
-        "embedding_length": _field(reader, f"{arch}.embedding_length"),
-        "method": _field(reader, METHOD_KEY),
+        "embedding_length": read_field(reader, f"{arch}.embedding_length"),
+        "method": read_field(reader, METHOD_KEY),
         "criterion": criterion,
         "scores_criterion": scores_criterion,
         "calibration": calibration,

@@ -167,7 +167,7 @@ def kv_bytes(path: Path, kv_type: str, n_ctx: int) -> int:
     """The KV cache llama.cpp allocates for the file at ``n_ctx`` with that cache type (llama-cli's settings)."""
     import gguf
 
-    from nbl_gguf.gguf.inspect import kv_sizes
+    from nbl_gguf.gguf.metadata import kv_sizes
 
     _, size = kv_sizes(gguf.GGUFReader(path), n_ctx, type_k=kv_type, type_v=kv_type)
     return size.bytes

@@ -97,18 +97,16 @@ class ModelCost:
 def model_cost(path: str | os.PathLike) -> ModelCost:
     """Read the roofline numbers of a GGUF (stock or NBL) with gguf-py."""
     from nbl_gguf.gguf.nbl_format import read_layer_types
-    from nbl_gguf.gguf.inspect import _field, _per_layer, open_model_gguf
+    from nbl_gguf.gguf.metadata import head_counts, open_model_gguf, read_field
 
     path = Path(path)
     reader, arch = open_model_gguf(path)
-    if _field(reader, f"{arch}.block_count") is None or _field(reader, f"{arch}.embedding_length") is None:
+    if read_field(reader, f"{arch}.block_count") is None or read_field(reader, f"{arch}.embedding_length") is None:
         raise NblError(f"{path}: no {arch}.block_count / embedding_length: not a decoder model GGUF")
-    n_layer = int(_field(reader, f"{arch}.block_count"))
-    n_embd = int(_field(reader, f"{arch}.embedding_length"))
-    n_head = _per_layer(_field(reader, f"{arch}.attention.head_count"), n_layer)
-    n_head_kv = _per_layer(_field(reader, f"{arch}.attention.head_count_kv",
-                                  _field(reader, f"{arch}.attention.head_count")), n_layer)
-    n_ff = _field(reader, f"{arch}.feed_forward_length")
+    n_layer = int(read_field(reader, f"{arch}.block_count"))
+    n_embd = int(read_field(reader, f"{arch}.embedding_length"))
+    n_head, n_head_kv = head_counts(reader, arch, n_layer)
+    n_ff = read_field(reader, f"{arch}.feed_forward_length")
     n_ff = None if n_ff is None else (n_ff if isinstance(n_ff, int) else tuple(n_ff) if isinstance(n_ff, list) else int(n_ff))
     types = read_layer_types(reader) or [0] * n_layer
 
@@ -136,12 +134,12 @@ def model_cost(path: str | os.PathLike) -> ModelCost:
         if types[layer] != 0:
             continue
         head_dim = n_embd // n_head[layer] if n_head[layer] else 0
-        k_len = int(_field(reader, f"{arch}.attention.key_length", head_dim))
-        v_len = int(_field(reader, f"{arch}.attention.value_length", head_dim))
+        k_len = int(read_field(reader, f"{arch}.attention.key_length", head_dim))
+        v_len = int(read_field(reader, f"{arch}.attention.value_length", head_dim))
         kv_elements += n_head_kv[layer] * (k_len + v_len)
         attn_width += n_head[layer] * (k_len + v_len)
 
-    file_type = _field(reader, "general.file_type")
+    file_type = read_field(reader, "general.file_type")
     shape_key = (arch, n_layer, n_embd, n_vocab, n_ff, tuple(n_head), tuple(n_head_kv), not has_output)
     return ModelCost(
         path=str(path), architecture=arch, n_layer=n_layer, n_embd=n_embd, n_vocab=n_vocab, n_ff=n_ff,
@@ -187,11 +185,7 @@ def check_pair(stock: ModelCost, nbl: ModelCost) -> None:
 
 
 def file_type_name(file_type: int | None) -> str:
-    import gguf
+    """The quantization of a ModelCost for messages and reports: "?" where the file names none."""
+    from nbl_gguf.gguf import metadata
 
-    if file_type is None:
-        return "?"
-    try:
-        return gguf.LlamaFileType(int(file_type)).name.replace("MOSTLY_", "").replace("ALL_", "")
-    except ValueError:
-        return str(file_type)
+    return metadata.file_type_name(file_type) or "?"
