@@ -307,6 +307,31 @@ def test_bench_makes_the_largest_m_first_then_reuses_its_calibration(tmp_path, m
     assert calls == []
 
 
+@pytest.mark.parametrize("flag, shown", [([], True), (["--no-progress"], False)])
+def test_no_progress_reaches_the_conversions_bench_makes(tmp_path, monkeypatch, flag, shown):
+    """The progress bars bench drives are those of the convert runs that make its NBL files (calibration
+    layers, convert steps): bench --no-progress turns them off, and without it they show."""
+    from types import SimpleNamespace
+
+    from nbl_gguf.commands import convert
+
+    bars = []
+
+    def fake_convert(args):
+        bars.append(not args.no_progress)
+        Path(args.save_calibration or args.calibration).mkdir(exist_ok=True)
+        Path(args.output).write_bytes(b"GGUF")
+        return SimpleNamespace(table=lambda: "")
+
+    monkeypatch.setattr(convert, "convert", fake_convert)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--m", "4,8", *flag])
+    _, commands = bench.nbl_by_convert(args, "model.gguf", tmp_path, "", [], log=lambda _: None)
+    assert bars == [shown, shown]
+    assert all(("--no-progress" in command) != shown for command in commands)
+
+
 def test_gguf_model_takes_no_quant(tiny):
     with pytest.raises(NblError, match="--quant q8_0 means nothing for a GGUF --model: the stock side is stock.gguf"):
         bench.apply_presets(_args(model=str(tiny["stock"]), quant="q8_0"))
