@@ -71,7 +71,11 @@ def _run(argv: list[str] | None) -> tuple[int, signal.Signals | None]:
             command_parser = argparse.ArgumentParser(prog=f"nbl_gguf {name}", description=help_text)
             module.add_arguments(command_parser)
             args = command_parser.parse_args(argv[1:])
-            return int(module.run(args) or 0), None
+            code = int(module.run(args) or 0)
+            # a block-buffered stdout (a pipe) writes the command's last lines here, where a reader that
+            # went away is caught below, not in the interpreter's final flush ("Exception ignored", status 120)
+            sys.stdout.flush()
+            return code, None
     except NblError as error:
         print(f"nbl_gguf {name}: error: {error}", file=sys.stderr)
         return 2, None
