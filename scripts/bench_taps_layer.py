@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from nbl_gguf.calibration.statistics import CALIBRATION_PARTIAL
-from nbl_gguf.calibration.taps import TapsAccumulator, default_rank, solve
+from nbl_gguf.calibration.statistics import CALIBRATION_PARTIAL, MomentAccumulator
+from nbl_gguf.calibration.taps import default_rank, solve
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--d", type=int, default=4096)
@@ -32,7 +32,7 @@ def now() -> float:
     return time.perf_counter()
 
 
-acc = TapsAccumulator(d, K, device, f"d = {d} layer", CALIBRATION_PARTIAL)
+acc = MomentAccumulator(d, d, device, f"d = {d} layer", CALIBRATION_PARTIAL, taps=K)
 mix = torch.randn(d, d, device=device) / d**0.5
 t = now()
 for w in range(windows):

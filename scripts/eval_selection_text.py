@@ -48,7 +48,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from nbl_gguf.calibration import calibrate
+    from nbl_gguf.calibration import dataset
     from nbl_gguf.calibration.artifact import LOCAL_DEFAULT
     from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
     from nbl_gguf.calibration.artifact import CRITERIA, load_artifact
@@ -70,8 +70,6 @@ def main(argv=None) -> int:
     # the calibration's own compute type, as sweep's best uses it
     dtype = getattr(torch, artifact.report["model"].get("dtype") or "float32")
     stream = LayerStream(resolve_model(args.model), dtype, "cpu")
-    prepared = calibrate.Prepared(stream.name, stream.path, stream.config, stream.tokenizer, "cpu", dtype,
-                                  stream.num_layers, stream.hidden_size)
     rankings = {c: ranking(artifact.scores(c, "attn")) for c in CRITERIA}
     with open(args.out, "a", encoding="utf-8") as out:
         for variant, count in zip(variants, windows):
@@ -79,7 +77,7 @@ def main(argv=None) -> int:
                                        dataset=None if data["dataset"].startswith("bundled:") else data["dataset"],
                                        dataset_config=data.get("dataset_config"), split=data.get("split") or "train",
                                        text_field="text")
-            calib, heldout, made_of = calibrate.load_windows(cargs, prepared, True, int(data["nsamples"]))
+            calib, heldout, made_of = dataset.load_windows(cargs, stream, True, int(data["nsamples"]))
             if calib.nsamples != int(data["nsamples"]):
                 raise SystemExit(f"{calib.nsamples} fit windows, the artifact has {data['nsamples']}")
             start = time.time()

@@ -2,7 +2,7 @@
 perplexity in PyTorch float32, against the bytes each form costs per layer.
 
 One forward pass of the unmodified model over --nfit calibration windows of --seqlen tokens feeds a
-calibration.taps.TapsAccumulator (--max-taps taps; fewer taps are its leading blocks) for each layer
+calibration.statistics.MomentAccumulator with taps (--max-taps; fewer taps are its leading blocks) for each layer
 of --layers (a ranking: the first m are replaced at each m of --ms; default the cosine layers that
 docs/results/quality.md replaces at m = 4, 8, 12) and the cosine criterion of every layer (printed,
 to check that ranking on these windows). Each form of --forms (form:taps[:rank]) is solved per layer
@@ -30,7 +30,8 @@ from nbl_gguf.calibration import dataset as data
 from nbl_gguf.calibration.apply import ATTN_TAPS, apply_nbl
 from nbl_gguf.calibration.capture import capture_activations
 from nbl_gguf.calibration.statistics import CosineAccumulator
-from nbl_gguf.calibration.taps import TapsAccumulator, fewer_taps, solve
+from nbl_gguf.calibration.statistics import MomentAccumulator
+from nbl_gguf.calibration.taps import solve
 
 QUALITY_MD_COSINE = "6,7,25,26,5,9,28,29,12,14,17,22"
 FIRST = 4
@@ -76,7 +77,7 @@ if args.moments and Path(args.moments).exists():
         raise SystemExit(f"{args.moments} holds moments of {saved['key']}, not {key}")
     moments, cos = saved["moments"], saved["cosine"]
 else:
-    accs = {k: TapsAccumulator(d, args.max_taps, "cpu", f"layer {k}") for k in FITTED}
+    accs = {k: MomentAccumulator(d, d, "cpu", f"layer {k}", taps=args.max_taps) for k in FITTED}
     cosine = [CosineAccumulator() for _ in range(n_layer)]
 
     def on_attention(k, h, x, y):
@@ -123,7 +124,7 @@ for spec in [f for f in args.save_only.split(",") if f] + args.forms.split(","):
     form, taps = parts[0], int(parts[1])
     rank = int(parts[2]) if len(parts) > 2 else None
     t = time.time()
-    maps = {k: solve(fewer_taps(moments[k], taps), taps, form, rank) for k in FITTED}
+    maps = {k: solve(moments[k].leading(taps), taps, form, rank) for k in FITTED}
     solve_seconds = time.time() - t
     if args.save_maps:
         Path(args.save_maps).mkdir(parents=True, exist_ok=True)

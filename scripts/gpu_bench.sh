@@ -159,7 +159,7 @@ stage_tests() {
 }
 
 stage_stream() {
-    # the calibrator on the default device (CUDA here): streamed against whole-model, every family
+    # the calibrator on the default device (CUDA here) against its float64 numpy reference, every family
     PYTHONPATH="$root/scripts:$PYTHONPATH" "$PYTHON" -m pytest -q -rA -p no:cacheprovider -o addopts="" \
         -p gpu_tokenizer_plugin tests/test_calibrate_stream.py \
         -k "every_family or auto_and_greedy or hidden_states_on_disk or every_layer_type or budget_below" \

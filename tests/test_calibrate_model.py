@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -252,15 +253,43 @@ def test_calibrate_user_errors(tiny_checkpoint):
         run_calibrate("--model", model, "--dataset", empty, "-o", tiny_checkpoint / "x")
 
 
-def test_nan_activations_abort_calibration_naming_the_layer(tiny_checkpoint):
-    from nbl_gguf.calibration.calibrate import collect_statistics
+def test_a_pytorch_checkpoint_calibrates_like_its_safetensors(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """A folder with only pytorch_model.bin cannot be read a tensor at a time: transformers loads it and
+    the engine streams its layers from memory (weights.ResidentSource), with the same maps. The
+    deprecated --whole-model says that it changes nothing, and changes nothing."""
+    from transformers import AutoModelForCausalLM
 
-    model = tiny_model(layers=3)
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    shutil.copytree(tiny_checkpoint / "model", tmp_path / "pickled", ignore=shutil.ignore_patterns("*.safetensors"))
+    # as checkpoints before safetensors were saved (transformers 5 writes safetensors only)
+    torch.save(AutoModelForCausalLM.from_pretrained(tiny_checkpoint / "model").state_dict(),
+               tmp_path / "pickled" / "pytorch_model.bin")
+    assert (tmp_path / "pickled" / "pytorch_model.bin").is_file()
+    assert not list((tmp_path / "pickled").glob("*.safetensors"))
+    common = ["--dataset", tiny_checkpoint / "data.jsonl", "--nsamples", 8, "--seqlen", 32, "--m", 1, "--no-progress"]
+    run_calibrate("--model", tiny_checkpoint / "model", *common, "-o", tmp_path / "safetensors")
+    run_calibrate("--model", tmp_path / "pickled", *common, "--whole-model", "-o", tmp_path / "pickled-art")
+    assert "--whole-model is deprecated and changes nothing" in capsys.readouterr().err
+    want, got = load_artifact(tmp_path / "safetensors"), load_artifact(tmp_path / "pickled-art")
+    assert sorted(got.tensors) == sorted(want.tensors)
+    for name in want.tensors:
+        np.testing.assert_array_equal(got.tensors[name], want.tensors[name], err_msg=name)
+    assert got.select() == want.select()
+
+
+def test_nan_activations_abort_calibration_naming_the_layer(tiny_checkpoint, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint / "model")
     with torch.no_grad():
         model.model.layers[1].self_attn.o_proj.weight[0, 0] = float("nan")
+    shutil.copytree(tiny_checkpoint / "model", tmp_path / "model")  # the tokenizer; the weights replaced next
+    model.save_pretrained(tmp_path / "model")
     with pytest.raises(NblError, match=r"non-finite activations \(NaN/inf\) in layer 1 attention output"):
-        collect_statistics(model, get_adapter(model), torch.randint(0, 97, (2, 16)), 1, "cpu", "cpu",
-                           progress=False)
+        run_calibrate("--model", tmp_path / "model", "--dataset", tiny_checkpoint / "data.jsonl", "--nsamples", 4,
+                      "--seqlen", 16, "--m", 1, "-o", tmp_path / "out", "--no-progress")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3_text"])

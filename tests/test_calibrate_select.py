@@ -1,6 +1,6 @@
-"""Layer selection on tiny models (CPU, seconds): the layer runner against the plain forward, greedy
-joint selection against exhaustive search on a model whose best layers are known by construction,
-and --m auto against its budget."""
+"""Layer selection on tiny models (CPU, seconds): the streamed evaluator over a model in memory against
+the plain forward, greedy joint selection against exhaustive search on a model whose best layers are
+known by construction, and --m auto against its budget."""
 
 import argparse
 import copy
@@ -17,9 +17,10 @@ from nbl_gguf.commands import calibrate
 from nbl_gguf.calibration import select as selection
 from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, apply_nbl
 from nbl_gguf.calibration.artifact import load_artifact
-from nbl_gguf.calibration.calibrate import collect_statistics
-from nbl_gguf.calibration.layerwise import LayerRunner
-from nbl_gguf.calibration.solve import ranking, solve_layer
+from nbl_gguf.calibration.capture import capture_activations
+from nbl_gguf.calibration.layer_fit import LayerFit
+from nbl_gguf.calibration.solve import ranking
+from nbl_gguf.calibration.stream import LayerStream, StreamedEvaluator
 from nbl_gguf.errors import NblError
 from nbl_gguf.models import decoder_layers, get_adapter
 
@@ -57,33 +58,6 @@ def windows(count=3, length=24, seed=1):
     return torch.randint(3, VOCAB, (count, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
-def test_layer_runner_matches_the_forward(family):
-    model, ids = family_model(family), windows()
-    runner = LayerRunner(model, ids, batch_size=2)
-    base = reference_loss(model, ids)
-    assert runner.loss() == pytest.approx(base, rel=1e-5)
-    inputs = runner.layer_inputs(0)
-    assert sorted(inputs) == list(range(runner.num_layers))
-    # the kept input of layer k is what the forward hands layer k ...
-    seen = {}
-
-    def keep(module, args, kwargs, k):
-        seen[k] = (args[0] if args else kwargs["hidden_states"]).clone()
-
-    handles = [layer.register_forward_pre_hook(lambda m, a, kw, k=k: keep(m, a, kw, k), with_kwargs=True)
-               for k, layer in enumerate(decoder_layers(model))]
-    with torch.no_grad():
-        model(input_ids=ids[:1], use_cache=False)
-    for handle in handles:
-        handle.remove()
-    for k in seen:
-        torch.testing.assert_close(inputs[k][:1], seen[k], rtol=1e-5, atol=1e-5)
-    # ... and resuming from any layer on it gives the whole model's loss
-    for k in range(runner.num_layers):
-        assert runner.loss(k, inputs[k]) == pytest.approx(base, rel=1e-5)
-
-
 def random_maps(model, seed=0):
     d = model.config.hidden_size
     g = torch.Generator().manual_seed(seed)
@@ -91,18 +65,26 @@ def random_maps(model, seed=0):
             for i in range(len(decoder_layers(model)))}
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_trials_equal_the_replaced_model_and_leave_the_model_as_it_was(family):
+def evaluator(model, heldout, maps, **kwargs):
+    """The calibration's evaluator, streaming the layers of ``model`` as it is in memory."""
+    return StreamedEvaluator(LayerStream.resident(model), heldout, ATTN_LINEAR, lambda layer, _type: maps[layer],
+                             **{"min_tokens": 0, **kwargs})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_losses_equal_the_replaced_model_and_leave_the_model_as_it_was(family):
     model, ids = family_model(family), windows()
     maps = random_maps(model)
     before = {name: module for name, module in model.named_modules()}
-    evaluator = selection.NestedEvaluator(model, ids, ATTN_LINEAR, maps, min_tokens=0)
-    assert evaluator.trial(2) == pytest.approx(reference_loss(apply_nbl(copy.deepcopy(model), {2: 1}, maps), ids), rel=1e-5)
+    trials = evaluator(model, ids, maps, batch_size=2)
+    assert trials.base_loss == pytest.approx(reference_loss(model, ids), rel=1e-5)
+    one, both, none = trials.losses([[2], [3, 1], []])
+    assert one == pytest.approx(reference_loss(apply_nbl(copy.deepcopy(model), {2: 1}, maps), ids), rel=1e-5)
+    assert both == pytest.approx(reference_loss(apply_nbl(copy.deepcopy(model), {1: 1, 3: 1}, maps), ids), rel=1e-5)
+    assert none == trials.base_loss
     assert {name: module for name, module in model.named_modules()} == before
-    both = apply_nbl(copy.deepcopy(family_model(family)), {1: 1, 3: 1}, maps)
-    assert evaluator.trial(1, 3) == pytest.approx(reference_loss(both, ids), rel=1e-5)
-    assert evaluator.losses([[3, 1], [2], []]) == [evaluator.trial(1, 3), evaluator.trial(2), evaluator.base_loss]
-    assert {name: module for name, module in model.named_modules()} == before
+    # the stream's own module tree is restored after each trial: the same set measures the same again
+    assert trials.losses([[2]]) == [one]
 
 
 # --- a model whose best layers are known by construction ----------------------------------------------
@@ -144,11 +126,16 @@ def continuations(model, count, length, seed):
 
 
 def fitted_maps(model, ids):
-    attn, _, cosine, _ = collect_statistics(model, get_adapter(model), ids, 4, "cpu", "cpu", progress=False,
-                                            targets=("attn",), partial=torch.float64)
-    records = [solve_layer(i, acc, None, cosine[i], None) for i, acc in enumerate(attn)]
+    """(maps, cosine scores, nmse scores) of every layer, from one forward of the whole model with each
+    layer's LayerFit hooked (float64 products)."""
+    fits = [LayerFit(i, model.config.hidden_size, "cpu", with_block=False, partial=torch.float64)
+            for i in range(len(decoder_layers(model)))]
+    with torch.no_grad(), capture_activations(model, get_adapter(model), lambda i, h, x, y: fits[i].on_attention(h, x, y),
+                                              lambda i, h, out: fits[i].on_block(h, out)):
+        model(input_ids=ids, use_cache=False)
+    records = [fit.solve() for fit in fits]
     maps = {i: (tensors[f"attn.{i}.weight"], tensors[f"attn.{i}.bias"]) for i, (_, tensors) in enumerate(records)}
-    return maps, cosine, [entry["attn"]["nmse"] for entry, _ in records]
+    return maps, [entry["attn"]["cosine"] for entry, _ in records], [entry["attn"]["nmse"] for entry, _ in records]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +153,7 @@ def constructed():
 
 def evaluator_for(constructed):
     model, maps, _, _, heldout, _, _ = constructed
-    return selection.NestedEvaluator(copy.deepcopy(model), heldout, ATTN_LINEAR, maps, min_tokens=0)
+    return evaluator(model, heldout, maps)
 
 
 def test_greedy_finds_the_set_that_exhaustive_search_finds_and_local_criteria_miss(constructed):
@@ -284,8 +271,7 @@ def test_greedy_avoids_layers_that_are_harmless_alone_and_harmful_together():
     best = min(losses.values())
     for local in (cosine, nmse):
         assert sorted(ranking(local)[:2]) == [1, 3]  # each copy looks harmless alone
-    trace = selection.greedy(selection.NestedEvaluator(copy.deepcopy(model), heldout, ATTN_LINEAR, maps, min_tokens=0),
-                             [ranking(cosine), ranking(nmse)], m=2, candidates=4)
+    trace = selection.greedy(evaluator(model, heldout, maps), [ranking(cosine), ranking(nmse)], m=2, candidates=4)
     assert losses[tuple(sorted(trace.order))] == pytest.approx(best, abs=1e-3)
     assert losses[(1, 3)] > best + 2.0
 
@@ -321,26 +307,27 @@ def test_auto_m_is_monotone_in_the_budget_and_answers_0_when_nothing_fits(constr
     chosen = [len(selection.walk(evaluator_for(constructed), order, "cosine", budget=b).order)
               for b in (0.0, first / 2, first * 1.001, 10 * first, 1e6)]
     assert chosen == sorted(chosen) and chosen[0] == chosen[1] == 0 and chosen[2] >= 1
-    evaluator = evaluator_for(constructed)
-    trace = selection.walk(evaluator, order, "cosine", budget=first / 2)
+    trials = evaluator_for(constructed)
+    trace = selection.walk(trials, order, "cosine", budget=first / 2)
     assert trace.order == [] and f"adding layer {order[0]} would raise the held-out perplexity by +{first:.1f}%" in trace.stopped
-    # the step over the budget was undone: the model is the original again
-    assert reference_loss(evaluator.model, constructed[4]) == pytest.approx(constructed[5], rel=1e-6)
+    # the step over the budget was undone: the unmodified model measures as before
+    assert trials.losses([[order[1]]])[0] == pytest.approx(constructed[6]((order[1],)), rel=1e-5)
 
 
 def test_best_of_picks_the_criterion_whose_set_costs_least(constructed):
     model, maps, cosine, nmse, heldout, base, loss_of = constructed
     cca = list(reversed(ranking(cosine)))  # a third ranking: cosine's worst first
     rankings = {"cca": cca, "nmse": ranking(nmse), "cosine": ranking(cosine)}
-    evaluator = evaluator_for(constructed)
-    chosen, trace, compared = selection.best_of(evaluator, rankings, m=2)
+    trials = evaluator_for(constructed)
+    chosen, trace, compared = selection.best_of(trials, rankings, m=2)
     reference = {c: loss_of(tuple(sorted(order[:2]))) for c, order in rankings.items()}
     assert chosen == min(reference, key=reference.get)
     assert trace.order == rankings[chosen][:2]
     for c, (layers, inc) in compared.items():
         assert layers == sorted(rankings[c][:2])
         assert inc == pytest.approx(100 * (math.exp(reference[c] - base) - 1), abs=1e-4)
-    assert reference_loss(evaluator.model, heldout) == pytest.approx(base, rel=1e-6)  # left as it was
+    # left as it was: a set measures as the reference after the trials
+    assert trials.losses([[0]])[0] == pytest.approx(loss_of((0,)), rel=1e-5)
     # with --m auto: the criterion that fits the most layers in the budget, then the least loss; whichever
     # is walked first, the criteria that cannot fit as many are settled by one trial, not walked
     budget = 1.0
@@ -367,7 +354,7 @@ def test_selection_bad_input(constructed):
     with pytest.raises(NblError, match="--candidates must be at least 1"):
         selection.greedy(evaluator_for(constructed), [ranking(cosine)], m=1, candidates=0)
     with pytest.raises(NblError, match="held-out slice for layer selection has 64 tokens; it needs at least 1024"):
-        selection.NestedEvaluator(model, heldout[:2], ATTN_LINEAR, maps)
+        evaluator(model, heldout[:2], maps, min_tokens=selection.MIN_HELDOUT_TOKENS)
 
 
 # --- the calibrate command ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The layer-streamed calibration (the default) against the whole-model pass (--whole-model), the
-reference it must equal: statistics, maps, scores and chosen layers, for every supported family and
-the embedded model read from its GGUF; its memory plan, its resume after a kill, its disk errors."""
+"""The calibration engine (layer-streamed) against its independent reference, the whole model run at
+once with every fit and score computed in float64 numpy (tests/_engine_reference.py): maps, scores
+and the held-out losses of the chosen layers, for every supported family and the embedded model read
+from its GGUF; its memory plan, its resume after a kill, its disk errors."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
+from _engine_reference import assert_fits_match, assert_selection_matches, layer_activations
 from _family_helpers import FAMILIES, random_family_model
 from nbl_gguf.commands import calibrate
 from nbl_gguf.calibration.artifact import CRITERIA, load_artifact
@@ -39,25 +41,25 @@ def run_calibrate(*argv):
     return calibrate.run(parser.parse_args([str(a) for a in argv] + ["--no-progress"]))
 
 
-def assert_same_calibration(streamed, whole, tolerance=1e-6):
-    """Every tensor within ``tolerance`` (relative to its largest value), every score likewise, the
-    same selection; returns the largest relative difference seen."""
-    assert sorted(streamed.tensors) == sorted(whole.tensors)
+def assert_same_calibration(got, want, tolerance=1e-6):
+    """Two calibrations of the same model and settings: every tensor within ``tolerance`` (relative to
+    its largest value), every score likewise, the same selection; returns the largest relative
+    difference seen."""
+    assert sorted(got.tensors) == sorted(want.tensors)
     worst = 0.0
-    for name in whole.tensors:
-        a, b = streamed.tensors[name], whole.tensors[name]
+    for name in want.tensors:
+        a, b = got.tensors[name], want.tensors[name]
         assert a.shape == b.shape and a.dtype == b.dtype, name
         worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
     assert worst < tolerance
-    for a, b in zip(streamed.report["layers"], whole.report["layers"]):
-        for target in streamed.targets:
+    for a, b in zip(got.report["layers"], want.report["layers"]):
+        for target in got.targets:
             for criterion in CRITERIA + ("nmse_nobias",) if target == "attn" else CRITERIA:
                 assert a[target][criterion] == pytest.approx(b[target][criterion], rel=tolerance, abs=1e-12)
-    # the block influence (1 - cos of a block's input and output): the stream records it for every layer,
-    # the whole model where it fitted the blocks
-    if "block" in whole.targets:
-        np.testing.assert_allclose(streamed.block_influence(), whole.block_influence(), rtol=tolerance, atol=1e-12)
-    sa, sb = streamed.report["selection"], whole.report["selection"]
+    # the block influence (1 - cos of a block's input and output), recorded for every layer
+    if "block" in want.targets:
+        np.testing.assert_allclose(got.block_influence(), want.block_influence(), rtol=tolerance, atol=1e-12)
+    sa, sb = got.report["selection"], want.report["selection"]
     assert sa["layers"] == sb["layers"] and sa.get("chosen") == sb.get("chosen")
     if "heldout" in sb:
         assert sa["heldout"]["order"] == sb["heldout"]["order"]
@@ -66,12 +68,25 @@ def assert_same_calibration(streamed, whole, tolerance=1e-6):
     return worst
 
 
-def both_paths(tmp_path, *argv):
-    run_calibrate(*argv, "-o", tmp_path / "streamed")
-    run_calibrate(*argv, "--whole-model", "-o", tmp_path / "whole")
-    streamed, whole = load_artifact(tmp_path / "streamed"), load_artifact(tmp_path / "whole")
-    assert streamed.report["statistics"]["streamed"] and not whole.report["statistics"]["streamed"]
-    return streamed, whole
+def calibration_windows(folder, text, nsamples: int, seqlen: int, held: int = 0):
+    """(fit windows, held-out windows) as calibrate cuts them from ``text`` with --selection-text
+    calibration: the held-out windows follow the fit windows."""
+    from transformers import AutoTokenizer
+
+    from nbl_gguf.calibration.dataset import load_calibration
+
+    ids = load_calibration(AutoTokenizer.from_pretrained(folder), str(text) if text else None, nsamples + held,
+                           seqlen).input_ids
+    return ids[:nsamples], ids[nsamples:nsamples + held]
+
+
+def assert_engine_matches_reference(artifact, model, fit_ids, heldout_ids, tolerance=1e-4):
+    from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR
+
+    assert_fits_match(artifact, layer_activations(model, fit_ids), tolerance)
+    if heldout_ids is not None and len(heldout_ids):
+        layer_type = ATTN_DROP if artifact.report["selection"]["method"] == "attn-drop" else ATTN_LINEAR
+        assert_selection_matches(artifact, model, heldout_ids, layer_type)
 
 
 # --- every family, from HF folders ------------------------------------------------------------------
@@ -87,8 +102,8 @@ def calibration_text(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_streamed_equals_whole_model_for_every_family(family, tmp_path, calibration_text):
-    from transformers import AutoTokenizer
+def test_engine_equals_the_numpy_reference_for_every_family(family, tmp_path, calibration_text):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nbl_gguf import models
 
@@ -97,15 +112,21 @@ def test_streamed_equals_whole_model_for_every_family(family, tmp_path, calibrat
     random_family_model(family, tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     # best measures the three local choices on held-out windows: the streamed evaluator runs them
-    streamed, whole = both_paths(tmp_path, "--model", folder, "--dataset", calibration_text, "--nsamples", 5,
-                                 "--seqlen", 64, "--batch-size", 2, "--selection-windows", 16, "--m", 2,
-                                 "--dtype", "fp32", "--targets", "attn,block")
-    assert_same_calibration(streamed, whole)
+    run_calibrate("--model", folder, "--dataset", calibration_text, "--nsamples", 5, "--seqlen", 64, "--batch-size", 2,
+                  "--selection-windows", 16, "--selection-text", "calibration", "--m", 2, "--dtype", "fp32",
+                  "--targets", "attn,block", "-o", tmp_path / "artifact")
+    artifact = load_artifact(tmp_path / "artifact")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    fit_ids, heldout_ids = calibration_windows(folder, calibration_text, 5, 64, 16)
+    assert_engine_matches_reference(artifact, model, fit_ids, heldout_ids)
+    selection = artifact.report["selection"]
+    compared = selection["heldout"]["compared"]
+    assert selection["chosen"] == min(compared, key=lambda c: compared[c]["ppl_increase_pct"])
 
 
-def test_auto_and_greedy_streamed_equal_whole_model(tmp_path, calibration_text):
+def test_auto_and_greedy_equal_the_reference(tmp_path, calibration_text):
     """--m auto walks prefixes in chunks and greedy measures candidates side by side: the streamed
-    evaluator forks hidden-state tracks for both, and must agree with the whole model's losses."""
+    evaluator forks hidden-state tracks for both, and each loss it records is the whole model's."""
     from transformers import AutoTokenizer
 
     from nbl_gguf import models
@@ -116,26 +137,37 @@ def test_auto_and_greedy_streamed_equal_whole_model(tmp_path, calibration_text):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     common = ["--model", folder, "--dataset", calibration_text, "--nsamples", 4, "--seqlen", 64,
-              "--selection-windows", 16, "--dtype", "fp32", "--targets", "attn"]
+              "--selection-windows", 16, "--selection-text", "calibration", "--dtype", "fp32", "--targets", "attn"]
+    fit_ids, heldout_ids = calibration_windows(folder, calibration_text, 4, 64, 16)
+    activations = layer_activations(model, fit_ids)
     for name, extra in (("auto", ["--m", "auto", "--max-ppl-increase", 3]), ("greedy", ["--criterion", "greedy", "--m", 3])):
-        streamed, whole = both_paths(tmp_path / name, *common, *extra)
-        assert_same_calibration(streamed, whole)
-        assert streamed.report["selection"]["heldout"]["order"], name
+        run_calibrate(*common, *extra, "-o", tmp_path / name)
+        artifact = load_artifact(tmp_path / name)
+        assert_fits_match(artifact, activations, 1e-4)
+        assert_selection_matches(artifact, model, heldout_ids, 1)
+        assert artifact.report["selection"]["heldout"]["order"], name
 
 
 # --- the embedded model, streamed from its GGUF -------------------------------------------------------
 
 @pytest.mark.slow
-def test_embedded_gguf_streamed_equals_whole_model(tmp_path):
+def test_embedded_gguf_calibration_equals_the_reference(tmp_path):
     """Streaming from the GGUF (per-tensor reads, ggml's dequantization, transformers' tensor
-    processing) equals the whole model that transformers dequantizes from the same file."""
+    processing) gives the fits of the whole model that transformers dequantizes from the same file."""
+    from transformers import AutoModelForCausalLM
+
     from nbl_gguf import models
 
     gguf = models.embedded_gguf_path()
-    streamed, whole = both_paths(tmp_path, "--model", gguf, "--nsamples", 6, "--seqlen", 128,
-                                 "--selection-windows", 8, "--m", 4, "--dtype", "fp32", "--targets", "attn")
-    assert_same_calibration(streamed, whole)
-    assert streamed.report["model"]["gguf"]["sha256"] == whole.report["model"]["gguf"]["sha256"]
+    run_calibrate("--model", gguf, "--nsamples", 8, "--seqlen", 128, "--m", 4, "--criterion", "cosine",
+                  "--dtype", "fp32", "--targets", "attn", "-o", tmp_path / "artifact")
+    artifact = load_artifact(tmp_path / "artifact")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    fit_ids, _ = calibration_windows(models.default_model_dir(), None, 8, 128)
+    assert_engine_matches_reference(artifact, model, fit_ids, None, tolerance=1e-3)
+    import hashlib
+
+    assert artifact.report["model"]["gguf"]["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
 
 
 def test_gguf_source_reads_the_tensors_transformers_loads():
@@ -449,8 +481,9 @@ def test_a_disk_that_fills_up_mid_run_is_named_and_the_run_resumes(tiny_folder, 
     monkeypatch.undo()
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
     run_calibrate(*tiny_args(tiny_folder), "-o", tmp_path / "out")
-    run_calibrate(*tiny_args(tiny_folder), "--whole-model", "-o", tmp_path / "whole")
-    assert_same_calibration(load_artifact(tmp_path / "out"), load_artifact(tmp_path / "whole"))
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "fresh-cache"))
+    run_calibrate(*tiny_args(tiny_folder), "-o", tmp_path / "uninterrupted")
+    assert_same_calibration(load_artifact(tmp_path / "out"), load_artifact(tmp_path / "uninterrupted"))
 
 
 def test_artifact_writer_streams_tensors_that_safetensors_reads(tmp_path):

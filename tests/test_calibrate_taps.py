@@ -10,7 +10,7 @@ import torch
 
 from nbl_gguf.calibration.apply import ATTN_LINEAR, ATTN_TAPS, apply_nbl
 from nbl_gguf.calibration.statistics import MomentAccumulator
-from nbl_gguf.calibration.taps import TapsAccumulator, TapsMap, fewer_taps, solve, solve_channel, solve_full, solve_lowrank
+from nbl_gguf.calibration.taps import TapsMap, solve, solve_channel, solve_full, solve_lowrank
 from nbl_gguf.errors import NblError
 from nbl_gguf.fixtures.tiny import TinyLlama
 from nbl_gguf.gguf import nbl_format
@@ -34,7 +34,7 @@ def windows(seed=0, batch=5, seq=40, offset=3.0):
 def test_streamed_stacked_moments_equal_the_brute_force_stack():
     x, g = windows()
     y = torch.randn(x.shape, generator=g, dtype=torch.float64)
-    acc = TapsAccumulator(D, K)
+    acc = MomentAccumulator(D, D, taps=K)
     for part in (slice(0, 2), slice(2, 3), slice(3, 5)):  # windows in batches of different sizes
         acc.update(x[part], y[part])
     acc.update(x[0, :2], y[0, :2])  # a window shorter than the taps, given as [seq, d]
@@ -46,14 +46,48 @@ def test_streamed_stacked_moments_equal_the_brute_force_stack():
     for name in ("mean_x", "mean_y", "cxx", "cyx", "cyy"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=1e-11)
     # fewer taps: the leading blocks are what a smaller accumulator gives
-    small = TapsAccumulator(D, 2)
+    small = MomentAccumulator(D, D, taps=2)
     small.update(x, y)
     small.update(x[0, :2], y[0, :2])
-    torch.testing.assert_close(fewer_taps(got, 2).cxx, small.moments().cxx, rtol=0, atol=1e-11)
+    torch.testing.assert_close(got.leading(2).cxx, small.moments().cxx, rtol=0, atol=1e-11)
+    # one tap: every moment of the per-token accumulator, from the same sums (the per-token map's moments)
+    single = MomentAccumulator(D, D)
+    single.update(x, y)
+    single.update(x[0, :2], y[0, :2])
+    per_token, lead = single.moments(), got.leading(1)
+    assert lead.taps == 1 and got.taps == K and lead.n == per_token.n
+    for name in ("mean_x", "mean_y", "cxx", "cyx", "cyy"):
+        torch.testing.assert_close(getattr(lead, name), getattr(per_token, name), rtol=0, atol=1e-11)
+    with pytest.raises(NblError, match="cannot take 4 taps from moments of 3"):
+        got.leading(4)
+
+
+def test_a_layer_fit_with_taps_gives_the_per_token_map_of_one_without():
+    """The taps calibration gathers one set of moments a layer: its per-token map, scores and tensors are
+    those of the calibration without taps (float32 products, as the calibrator runs them)."""
+    from nbl_gguf.calibration.layer_fit import LayerFit
+
+    x, g = windows(seed=5, batch=4, seq=30)
+    y = torch.tanh(x @ torch.randn(D, D, generator=g, dtype=torch.float64)) + 0.1 * x.roll(1, 1)
+    fits = {taps: LayerFit(0, D, "cpu", with_block=True, taps=taps) for taps in (1, K)}
+    for fit in fits.values():
+        for part in (slice(0, 3), slice(3, 4)):
+            fit.on_attention(x[part], x[part], y[part])
+            fit.on_block(x[part], x[part] + y[part])
+    (plain, plain_tensors), (tapped, tapped_tensors) = (fits[1].solve(), fits[K].solve(taps_rank=2))
+    assert "taps" not in plain and tapped["taps"]["taps"] == K and tapped["taps"]["rank"] == 2
+    assert tapped["taps"]["nmse"] <= tapped["attn"]["nmse"]  # the lags only add inputs
+    for target in ("attn", "block"):
+        for score, value in plain[target].items():
+            assert tapped[target][score] == pytest.approx(value, rel=1e-9, abs=1e-12), (target, score)
+    for name, value in plain_tensors.items():
+        np.testing.assert_allclose(tapped_tensors[name], value, rtol=1e-6, atol=1e-9, err_msg=name)
+    assert sorted(set(tapped_tensors) - set(plain_tensors)) == ["taps.0.bias", "taps.0.lag_down", "taps.0.lag_up",
+                                                                 "taps.0.weight"]
 
 
 def test_accumulator_rejects_a_flat_stream_and_names_non_finite_input():
-    acc = TapsAccumulator(D, K, name="layer 4")
+    acc = MomentAccumulator(D, D, name="layer 4", taps=K)
     with pytest.raises(ValueError, match=r"\[batch, seq, 6\]"):
         acc.update(torch.zeros(2, 3, 4, D), torch.zeros(2, 3, 4, D))
     x = torch.zeros(1, 10, D)
@@ -65,7 +99,7 @@ def test_accumulator_rejects_a_flat_stream_and_names_non_finite_input():
 
 def fitted(y_of, seed=1):
     x, _ = windows(seed, batch=6, seq=80)
-    acc = TapsAccumulator(D, K)
+    acc = MomentAccumulator(D, D, taps=K)
     acc.update(x, y_of(x))
     return acc.moments(), x
 
@@ -122,7 +156,7 @@ def test_channel_fit_recovers_per_channel_taps_and_never_loses_to_the_per_token_
         return u @ torch.from_numpy(w).T
 
     m, x = fitted(target)
-    assert solve_channel(m, K).nmse < 0.1 * solve_full(fewer_taps(m, 1), 1).nmse  # the default stopping rule
+    assert solve_channel(m, K).nmse < 0.1 * solve_full(m.leading(1), 1).nmse  # the default stopping rule
     fit = solve_channel(m, K, iterations=2000, tolerance=1e-14)  # run to convergence: the exact map
     assert fit.form == "channel" and fit.conv.shape == (K, D)
     np.testing.assert_allclose(fit.conv, c[::-1], atol=1e-4)
@@ -130,7 +164,7 @@ def test_channel_fit_recovers_per_channel_taps_and_never_loses_to_the_per_token_
     np.testing.assert_allclose(fit.apply(x[1].numpy()), target(x[1:2])[0].numpy(), atol=1e-3)
     noisy, _ = fitted(lambda x: target(x) + torch.randn(x.shape, dtype=torch.float64), seed=2)
     errors = [solve_channel(noisy, K, iterations=n, tolerance=0).nmse for n in (0, 1, 2, 5, 20)]
-    assert errors[0] == pytest.approx(solve_full(fewer_taps(noisy, 1), 1).nmse, abs=1e-12)  # starts as per-token
+    assert errors[0] == pytest.approx(solve_full(noisy.leading(1), 1).nmse, abs=1e-12)  # starts as per-token
     assert all(a >= b - 1e-12 for a, b in zip(errors, errors[1:])) and errors[-1] < errors[0]
 
 
@@ -143,7 +177,7 @@ def test_the_solve_of_moments_on_a_gpu_equals_the_cpu_one(form):
     y = torch.randn(x.shape, generator=g, dtype=torch.float64) + x @ torch.randn(D, D, generator=g, dtype=torch.float64)
     fits = []
     for device in ("cpu", "cuda"):
-        acc = TapsAccumulator(D, K, device)
+        acc = MomentAccumulator(D, D, device, taps=K)
         acc.update(x.to(device), y.to(device))
         fits.append(solve(acc.moments(), K, form, 2))
     cpu, gpu = fits
@@ -170,7 +204,7 @@ def test_solve_names_bad_requests():
         solve(m, K, "lowrank", 7)
     with pytest.raises(NblError, match="do not stack 2 taps"):
         solve(m, 2)
-    acc = TapsAccumulator(D, K)
+    acc = MomentAccumulator(D, D, taps=K)
     acc.update(torch.randn(1, 10, D), torch.randn(1, 10, D))
     with pytest.raises(NblError, match="only 10 calibration tokens for 18 stacked inputs"):
         solve(acc.moments(), K)

@@ -155,13 +155,15 @@ def windows_by_hand(tokenizer, texts, first: int, count: int, seqlen: int) -> li
 def embedded_prepared():
     from transformers import AutoConfig, AutoTokenizer
 
+    from types import SimpleNamespace
+
     from nbl_gguf import models
-    from nbl_gguf.calibration.calibrate import Prepared
 
     folder = models.default_model_dir()
     config = AutoConfig.from_pretrained(folder)
-    return Prepared("SmolLM2", str(folder), config, AutoTokenizer.from_pretrained(folder), "cpu", None,
-                    config.num_hidden_layers, config.hidden_size)
+    # what load_windows reads of the layer stream (calibration.stream.LayerStream), without its weights
+    return SimpleNamespace(config=config, tokenizer=AutoTokenizer.from_pretrained(folder), device="cpu",
+                           hidden_size=config.hidden_size)
 
 
 def window_args(**overrides) -> argparse.Namespace:
@@ -176,7 +178,7 @@ def window_args(**overrides) -> argparse.Namespace:
 
 
 def test_the_mixed_held_out_windows_come_from_each_kind(embedded_prepared):
-    from nbl_gguf.calibration.calibrate import load_windows
+    from nbl_gguf.calibration.dataset import load_windows
 
     tokenizer, seqlen, fit = embedded_prepared.tokenizer, 256, 3
     calib, heldout, made_of = load_windows(window_args(seqlen=seqlen, selection_windows=6, selection_text="mix"),

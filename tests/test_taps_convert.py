@@ -139,7 +139,7 @@ def test_selection_measures_the_taps_maps(tmp_path, tiny_folder, calibration_tex
     selection = artifact.report["selection"]
     chosen = selection["layers"]
     assert len(chosen) == 2 and selection["taps"] == TAPS
-    from nbl_gguf.calibration.calibrate import describe_selection
+    from nbl_gguf.calibration.report import describe_selection
 
     assert describe_selection(selection, 4).startswith(f"attn-nbl with past-token maps of {TAPS} tokens by best: ")
     ids = windows(tiny_folder, calibration_text, NSAMPLES + held)[NSAMPLES:]
@@ -170,8 +170,7 @@ def test_taps_arguments_are_checked_before_calibrating(tmp_path, tiny_folder, ca
         convert(convert_args(model=str(tiny_folder), taps=4, method="attn-drop", output=str(out)))
     with pytest.raises(NblError, match="at most 64"):
         convert(convert_args(model=str(tiny_folder), taps=65, output=str(out)))
-    for argv, message in ((["--taps", 0], "at least 1"), (["--taps", 3, "--whole-model"], "--whole-model"),
-                          (["--taps", 3, "--method", "attn-drop"], "--method attn-nbl")):
+    for argv, message in ((["--taps", 0], "at least 1"), (["--taps", 3, "--method", "attn-drop"], "--method attn-nbl")):
         with pytest.raises((NblError, SystemExit)):
             run_calibrate("--model", tiny_folder, "--dataset", calibration_text, *argv, "-o", tmp_path / "c")
     # too few fit tokens for the stacked inputs: refused once the windows are cut, before layer 0 runs
@@ -313,7 +312,7 @@ def test_taps_need_more_fit_tokens_than_stacked_inputs(tmp_path):
 
     def resolved(taps, nsamples, seqlen=256):
         args = argparse.Namespace(taps=taps, runtime="nbl", nsamples=nsamples, seqlen=seqlen, method="attn-nbl",
-                                  taps_rank=None, whole_model=False, calibration=None)
+                                  taps_rank=None, calibration=None)
         return check_taps(args, Source(), "attn-nbl", 576, "cpu")
 
     assert resolved("auto", 8) == 1  # 2048 tokens for 4 x 576 = 2304 inputs

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -343,3 +344,57 @@ def load_calibration(tokenizer, dataset: str | None, nsamples: int, seqlen: int,
     name = dataset or DEFAULT_DATASET
     return build_windows(tokenizer, iter_texts(dataset, config=config, split=split, field=field), nsamples, seqlen,
                          name=name)
+
+
+def load_windows(args, stream, needs_heldout: bool, nsamples: int):
+    """(calibration windows, held-out windows or None, what the held-out windows are made of or None)
+    for calibration.settings.Settings ``args``, cut with the tokenizer of ``stream`` (a LayerStream).
+    The held-out windows follow --selection-text: the calibration text's windows after the fit
+    windows, then those of each bundled kind's selection part."""
+    import torch
+
+    from nbl_gguf import models
+    from nbl_gguf.calibration.settings import DEFAULT_SELECTION_TOKENS
+
+    counts = {}
+    if needs_heldout:
+        seqlen = effective_seqlen(args.seqlen, models.max_context(stream.config))
+        total = args.selection_windows or -(-DEFAULT_SELECTION_TOKENS // seqlen)
+        counts = mix_windows(parse_selection_text(args.selection_text), total)
+    held = counts.get(CALIBRATION_KIND, 0)
+    calib = load_calibration(stream.tokenizer, args.dataset, nsamples + held, args.seqlen,
+                                     config=args.dataset_config, split=args.split, field=args.text_field,
+                                     max_positions=models.max_context(stream.config))
+    parts = []
+    if held:
+        if calib.nsamples <= held:
+            asked = (f"--selection-windows {held}" if held == sum(counts.values()) else
+                     f"{held} of --selection-windows {sum(counts.values())} (its share in --selection-text "
+                     f"{args.selection_text})")
+            raise NblError(f"{args.dataset or DEFAULT_DATASET} gives {calib.nsamples} windows of {calib.seqlen} "
+                           f"tokens: too few to hold out {asked} for layer selection and still fit (use more text, a "
+                           f"shorter --seqlen or fewer --selection-windows; or a fixed --m with --criterion cosine, "
+                           f"which needs none)")
+        calib, own = calib.split_last(held)
+        parts.append(own)
+    if calib.nsamples < nsamples:
+        print(f"note: {args.dataset or DEFAULT_DATASET} gives {calib.nsamples} windows of {calib.seqlen} tokens "
+              f"for the fit, fewer than the {nsamples} requested; calibrating on {calib.tokens} tokens", file=sys.stderr)
+    if calib.tokens <= stream.hidden_size:
+        raise NblError(f"only {calib.tokens} calibration tokens for hidden size {stream.hidden_size}; need more than "
+                       f"{stream.hidden_size} (raise --nsamples/--seqlen or use more text)")
+    stacked = args.taps * stream.hidden_size  # a taps map's inputs: the token's and its taps - 1 predecessors'
+    if args.taps > 1 and calib.tokens <= stacked:
+        raise NblError(f"only {calib.tokens} calibration tokens for --taps {args.taps}, which stacks {args.taps} x "
+                       f"{stream.hidden_size} = {stacked} inputs a layer; need more than {stacked} (raise "
+                       f"--nsamples/--seqlen, or use --taps 1)")
+    if not counts:
+        return calib, None, None
+    bundled, kinds = bundled_selection_windows(
+        stream.tokenizer, {kind: n for kind, n in counts.items() if kind != CALIBRATION_KIND}, calib.seqlen)
+    if bundled.shape[0]:
+        parts.append(bundled)
+    composition = {"selection_text": args.selection_text,
+                   "windows": {kind: n for kind, n in counts.items() if n},
+                   "calibration_text": args.dataset or DEFAULT_DATASET, "bundled": kinds}
+    return calib, torch.cat(parts), composition

@@ -207,3 +207,14 @@ def _try_lock(handle) -> bool:
         return True
     except OSError:
         return False
+
+
+def model_identity(source) -> dict:
+    """What names the model's weights for the resume state (content hash of a GGUF; names, sizes and
+    modification times of a folder's files)."""
+    from nbl_gguf.calibration.weights import folder_identity
+
+    if source.gguf is not None:
+        return {"gguf_sha256": source.gguf.sha256}
+    folder = source.hf_folder()
+    return {"folder": str(Path(folder).resolve()), "files": folder_identity(folder)}

@@ -10,8 +10,9 @@ it is the default; cca stays selectable as the paper's.
 replacement by its map gives the whole model the lowest loss on held-out calibration windows. The
 candidates of a step are the first layers not yet chosen of the cosine and the nmse rankings taken in
 turn: cosine finds layers whose attention does little, nmse those whose attention is close to linear
-however much it does. Each trial runs only the layers from the candidate on, over the kept inputs of
-that layer (calibration.layerwise).
+however much it does. An evaluator answers ``losses(sets)`` (stream.StreamedEvaluator: each trial
+runs only the layers from its first replaced one on, over the kept inputs of that layer); the
+selections ask for every set they need at once, so that it reads each layer once per call.
 
 ``--m auto`` walks a nested order (a local ranking, or greedy's picks) and keeps the longest prefix
 whose held-out perplexity increase over the unmodified model stays within the budget.
@@ -22,8 +23,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from nbl_gguf.calibration.apply import replace_layer
-from nbl_gguf.calibration.layerwise import LayerRunner
 from nbl_gguf.errors import NblError
 
 DEFAULT_CANDIDATES = 5
@@ -54,43 +53,6 @@ class SelectionTrace:
         return {"criterion": self.criterion, "heldout_tokens": self.tokens, "base_ppl": math.exp(self.base_loss),
                 "order": list(self.order), "ppl": [math.exp(x) for x in self.losses],
                 "ppl_increase_pct": self.increases, "stopped": self.stopped}
-
-
-class NestedEvaluator:
-    """Held-out loss of ``model`` with sets of layers replaced, the whole model in memory (the
-    reference that the layer-streamed calibration's StreamedEvaluator equals).
-
-    Keeps the input of every layer for every held-out window, so that a set costs one pass through
-    the layers from its first one on. Both evaluators answer ``losses(sets)``: the selections below
-    ask for every set they need at once, so that a streamed evaluator reads each layer once per call.
-    """
-
-    def __init__(self, model, heldout_ids, layer_type: int, linear, batch_size: int = 1,
-                 min_tokens: int = MIN_HELDOUT_TOKENS):
-        if heldout_ids.numel() < min_tokens:
-            raise NblError(f"the held-out slice for layer selection has {heldout_ids.numel()} tokens; "
-                           f"it needs at least {min_tokens} (more --selection-windows or a longer --seqlen)")
-        self.model = model
-        self.layer_type = layer_type
-        self.linear = linear
-        self.runner = LayerRunner(model, heldout_ids, batch_size)
-        self.base_loss, self.inputs = self.runner.run(keep_inputs=True)
-        self.tokens = int(heldout_ids.shape[0] * (heldout_ids.shape[1] - 1))
-
-    def trial(self, *layers: int) -> float:
-        """The loss with ``layers`` replaced, leaving the model as it was."""
-        if not layers:
-            return self.base_loss
-        restores = [replace_layer(self.model, layer, self.layer_type, self.linear) for layer in layers]
-        try:
-            first = min(layers)
-            return self.runner.loss(first, self.inputs[first])
-        finally:
-            for restore in reversed(restores):
-                restore()
-
-    def losses(self, sets) -> list[float]:
-        return [self.trial(*s) for s in sets]
 
 
 def _check_budget(m: int | None, budget: float | None, num_layers: int) -> int:

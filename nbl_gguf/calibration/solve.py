@@ -29,7 +29,7 @@ class LinearFit:
     bias: torch.Tensor  # [dy] float64
     ridge: float  # 0.0 unless C_XX was ill-conditioned
     cond: float  # condition number of C_XX (estimated above EIGENVALUES_UP_TO)
-    nmse: float  # exact Tr(C_YY - W C_XY) / Tr(C_YY)
+    nmse: float  # exact E||Y - W X - b||^2 / Tr(C_YY) (solve.nmse)
     cca_bound: float  # sum(1 - rho^2) between X and Y (+ X for attention)
     rho: torch.Tensor = field(repr=False)  # canonical correlations, descending
     without_bias: "BiasFreeFit | None" = None  # the map for a slot without bias (solve_all adds it for attention)
@@ -85,14 +85,15 @@ def _cholesky(c: torch.Tensor, ridge: float) -> torch.Tensor:
     raise NblError("the calibration covariance is not positive definite even with a ridge (NaN in the statistics?)")
 
 
-# Above this size a layer's ridge test and condition number skip eigvalsh (see _regularized)
+# Above this size a layer's ridge test and condition number skip eigvalsh (see spd_factor)
 EIGENVALUES_UP_TO = 1024
 COND_BLOCK, COND_ITERATIONS = 8, 12
 
 
-def _regularized(c: torch.Tensor, rcond: float) -> tuple[torch.Tensor, float, float]:
-    """(L, ridge, cond): the lower Cholesky factor of C + ridge I with _floor's ridge, and C's condition
-    number.
+def spd_factor(c: torch.Tensor, rcond: float = RCOND) -> tuple[torch.Tensor, float, float]:
+    """(L, ridge, cond): the lower Cholesky factor of C + ridge I, the ridge that keeps C's smallest
+    eigenvalue at ``rcond`` times its largest (0 for a well-conditioned C: _floor), and C's condition
+    number. The one policy of every solve of the calibration (per-token, block and taps maps).
 
     At d = 4096, eigvalsh takes 3.5 s on 2 cores and a layer's solve calls it three times for this
     alone (docs/results/scale-cpu.md), to decide a ridge that activations rarely need. Above
@@ -127,9 +128,17 @@ def _estimated_cond(c: torch.Tensor, factor: torch.Tensor) -> float:
     return largest(lambda v: c @ v) * largest(lambda v: torch.cholesky_solve(v, factor))
 
 
-def _solve_right(b: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """B (L L^T)^-1 for the Cholesky factor L."""
+def solve_right(b: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """B (L L^T)^-1 for the Cholesky factor L (spd_factor's)."""
     return torch.cholesky_solve(b.T, factor).T
+
+
+def nmse(m: Moments, weight: torch.Tensor) -> float:
+    """E||y - (W x + b)||^2 / Tr(C_YY) with the best bias b, exact from the moments for any map W
+    (a ridge, a low rank or a constrained form moves W off the LMMSE optimum)."""
+    total = float(torch.trace(m.cyy))
+    mse = total - 2 * float(torch.sum(weight * m.cyx)) + float(torch.sum((weight @ m.cxx) * weight))
+    return max(mse, 0.0) / total if total > 0 else 0.0
 
 
 def canonical_correlations(cxx: torch.Tensor, cyx: torch.Tensor, cyy: torch.Tensor, rcond: float = RCOND,
@@ -138,8 +147,8 @@ def canonical_correlations(cxx: torch.Tensor, cyx: torch.Tensor, cyy: torch.Tens
     [0, 1], descending. Any whitening gives the same singular values, so the Cholesky factors serve:
     rho^2 are the eigenvalues of K K^T with K = L_Y^-1 C_YX L_X^-T. ``factor_x``: L_X, when known."""
     if factor_x is None:
-        factor_x = _regularized(cxx, rcond)[0]
-    factor_y = _regularized(cyy, rcond)[0]
+        factor_x = spd_factor(cxx, rcond)[0]
+    factor_y = spd_factor(cyy, rcond)[0]
     k = torch.linalg.solve_triangular(factor_y, cyx, upper=False)
     k = torch.linalg.solve_triangular(factor_x, k.T, upper=False).T
     squared = torch.linalg.eigvalsh(k @ k.T).flip(0)
@@ -152,15 +161,12 @@ def fit(m: Moments, residual: bool = False, rcond: float = RCOND) -> LinearFit:
     residual=True scores against Y + X (the attention case); W and b always predict Y itself.
     """
     _check_tokens(m)
-    factor, ridge, cond = _regularized(m.cxx, rcond)
-    weight = _solve_right(m.cyx, factor)  # C_YX (C_XX + ridge I)^-1
+    factor, ridge, cond = spd_factor(m.cxx, rcond)
+    weight = solve_right(m.cyx, factor)  # C_YX (C_XX + ridge I)^-1
     bias = m.mean_y - weight @ m.mean_x
-    total = float(torch.trace(m.cyy))
-    mse = float(torch.trace(m.cyy) - torch.sum(weight * m.cyx))  # Tr(W C_XY) = sum(W * C_YX)
-    nmse = max(mse, 0.0) / total if total > 0 else 0.0
     target = m.with_residual() if residual else m
     rho = canonical_correlations(target.cxx, target.cyx, target.cyy, rcond, factor_x=factor)
-    return LinearFit(weight, bias, ridge, cond, nmse, float(torch.sum(1 - rho**2)), rho)
+    return LinearFit(weight, bias, ridge, cond, nmse(m, weight), float(torch.sum(1 - rho**2)), rho)
 
 
 def fit_without_bias(m: Moments, rcond: float = RCOND) -> BiasFreeFit:
@@ -171,17 +177,17 @@ def fit_without_bias(m: Moments, rcond: float = RCOND) -> BiasFreeFit:
     sxx = m.cxx + torch.outer(m.mean_x, m.mean_x)
     sxx = (sxx + sxx.T) / 2
     syx = m.cyx + torch.outer(m.mean_y, m.mean_x)
-    factor, ridge, cond = _regularized(sxx, rcond)
-    weight = _solve_right(syx, factor)
+    factor, ridge, cond = spd_factor(sxx, rcond)
+    weight = solve_right(syx, factor)
     # E||Y - W X||^2 = Tr(S_YY) - 2 Tr(W S_XY) + Tr(W S_XX W^T), exact with or without a ridge
     syy_trace = float(torch.trace(m.cyy) + m.mean_y @ m.mean_y)
     mse = syy_trace - 2 * float(torch.sum(weight * syx)) + float(torch.sum((weight @ sxx) * weight))
     total = float(torch.trace(m.cyy))
     if total > 0:
-        nmse = max(mse, 0.0) / total
+        error = max(mse, 0.0) / total
     else:  # a constant Y: only its mean is left to predict, which a map without bias may miss
-        nmse = 0.0 if mse <= 1e-12 * max(syy_trace, 1e-300) else float("inf")
-    return BiasFreeFit(weight, ridge, cond, nmse)
+        error = 0.0 if mse <= 1e-12 * max(syy_trace, 1e-300) else float("inf")
+    return BiasFreeFit(weight, ridge, cond, error)
 
 
 def select_layers(scores, m: int) -> list[int]:
@@ -200,50 +206,3 @@ def select_layers(scores, m: int) -> list[int]:
 def ranking(scores) -> list[int]:
     """All layer indices, most redundant (lowest score) first."""
     return [int(i) for i in np.argsort(np.asarray(scores, dtype=np.float64), kind="stable")]
-
-
-SMALL_SOLVE = 1024  # below this hidden size, a CPU solve runs on one thread (see solve_layer)
-
-
-def solve_layer(index: int, attn, block, attn_cosine: float, block_cosine: float | None,
-                save_covariances: bool = False) -> tuple[dict, dict]:
-    """A layer's artifact record from its accumulators (calibration.statistics): the entry of its
-    scores ({"index", "attn": {...}, "block": {...}}) and its tensors (maps with and without bias,
-    means, canonical correlations; covariances on request). ``block`` may be None."""
-    import dataclasses
-
-    # Multithreaded LAPACK eigh/svd on a small matrix gains little and, on a busy CPU, its spinning
-    # threads slowed it 10-200x in our measurements; one thread is fast and predictable there.
-    small_cpu = attn.device.type == "cpu" and attn.sum_xx.shape[0] <= SMALL_SOLVE
-    threads = torch.get_num_threads()
-    if small_cpu:
-        torch.set_num_threads(1)
-    try:
-        moments = attn.moments()
-        attention = fit(moments, residual=True)
-        attention = dataclasses.replace(attention, without_bias=fit_without_bias(moments))
-        per_target = [("attn", attention, attn_cosine, moments)]
-        if block is not None:
-            block_moments = block.moments()
-            per_target.append(("block", fit(block_moments, residual=False), block_cosine, block_moments))
-    finally:
-        torch.set_num_threads(threads)
-    entry: dict = {"index": index}
-    if block_cosine is not None:
-        entry["block_cosine"] = block_cosine  # the decoder block's 1 - cos, whether or not it was fitted
-    tensors: dict[str, np.ndarray] = {}
-    for target, f, cosine, m in per_target:
-        entry[target] = {"cca": f.cca_bound, "nmse": f.nmse, "cosine": cosine, "ridge": f.ridge, "cond": f.cond}
-        tensors[f"{target}.{index}.weight"] = f.weight.float().cpu().numpy()
-        tensors[f"{target}.{index}.bias"] = f.bias.float().cpu().numpy()
-        tensors[f"{target}.{index}.mean_x"] = m.mean_x.cpu().numpy()
-        tensors[f"{target}.{index}.mean_y"] = m.mean_y.cpu().numpy()
-        tensors[f"{target}.{index}.rho"] = f.rho.cpu().numpy()
-        if save_covariances:
-            for name in ("cxx", "cyx", "cyy"):
-                tensors[f"{target}.{index}.{name}"] = getattr(m, name).cpu().numpy()
-    nobias = attention.without_bias
-    entry["attn"]["nmse_nobias"] = nobias.nmse
-    entry["attn"]["ridge_nobias"] = nobias.ridge
-    tensors[f"attn.{index}.weight_nobias"] = nobias.weight.float().cpu().numpy()
-    return entry, tensors

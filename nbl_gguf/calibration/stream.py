@@ -79,16 +79,35 @@ def load_config_and_tokenizer(source):
 
 
 class LayerStream:
-    """A model run one decoder layer at a time from a WeightSource."""
+    """A model run one decoder layer at a time from a WeightSource: a model_source.ModelSource's file
+    or folder (``LayerStream(source, dtype, device)``), or a model in memory (``LayerStream.resident``)."""
 
     def __init__(self, source, dtype, device: str, name: str | None = None):
-        self.config, self.tokenizer = load_config_and_tokenizer(source)
+        config, tokenizer = load_config_and_tokenizer(source)
+        path = str(source.gguf.path if source.gguf is not None else source.hf_folder())
+        self._build(config, tokenizer, dtype, device, name or source.name, path,
+                    lambda skeleton: weight_io.open_source(skeleton, source))
+
+    @classmethod
+    def resident(cls, model, tokenizer=None, name: str = "the loaded model") -> "LayerStream":
+        """The stream over a model already in memory, in its dtype and on its device (its weights are
+        served, not copied)."""
+        import copy
+
+        stream = cls.__new__(cls)
+        weight = next(model.parameters())
+        stream._build(copy.deepcopy(model.config), tokenizer, weight.dtype, str(weight.device), name,
+                      getattr(model.config, "_name_or_path", ""),
+                      lambda skeleton: weight_io.ResidentSource(skeleton, model))
+        return stream
+
+    def _build(self, config, tokenizer, dtype, device: str, name: str, path: str, open_weights) -> None:
+        self.config, self.tokenizer = config, tokenizer
         self.adapter = models.get_adapter(self.config)
         self.dtype, self.device = dtype, device
-        self.name = name or source.name
-        self.path = str(source.gguf.path if source.gguf is not None else source.hf_folder())
+        self.name, self.path = name, path
         self.model = weight_io.skeleton(self.config, dtype)
-        self.weights = weight_io.open_source(self.model, source)
+        self.weights = open_weights(self.model)
         self.base = models.base_model(self.model)
         self.layers = models.decoder_layers(self.model)
         self.embed_name = weight_io.module_name(self.model, self.model.get_input_embeddings()) + ".weight"
@@ -321,12 +340,10 @@ def calibrate_layers(stream: LayerStream, calib_ids: torch.Tensor, heldout_ids: 
 
     ``state`` (calibration.resume.CalibrationState, opened) holds the finished layers and the hidden
     states; a state with layers done continues after them. ``taps`` > 1 also fits each layer's
-    past-token map (calibration.taps, DEFAULT_FORM, rank ``taps_rank`` or default_rank)."""
+    past-token map (calibration.layer_fit: from the same moments as its per-token map)."""
     from tqdm import tqdm
 
-    from nbl_gguf.calibration.solve import solve_layer
-    from nbl_gguf.calibration.statistics import CALIBRATION_PARTIAL, CosineAccumulator, MomentAccumulator
-    from nbl_gguf.calibration import taps as taps_fit
+    from nbl_gguf.calibration.layer_fit import LayerFit
 
     times = times or StreamTimes()
     count, seqlen = calib_ids.shape
@@ -368,28 +385,15 @@ def calibrate_layers(stream: LayerStream, calib_ids: torch.Tensor, heldout_ids: 
         layer_start = time.perf_counter()
         with times.part("load_weights"):
             stream.load_layer(k)
-        attn = MomentAccumulator(d, d, stats_device, f"layer {k} attention", CALIBRATION_PARTIAL)
-        attn_cos = CosineAccumulator(stats_device)
-        block = MomentAccumulator(d, d, stats_device, f"layer {k} block", CALIBRATION_PARTIAL) if with_block else None
-        # ShortGPT's block influence (1 - cos of the block's input and output) costs one pass over states
-        # that are here anyway: kept for every layer, the block ranking of `bench --frontier`'s pruned file
-        block_cos = CosineAccumulator(stats_device)
-        past = (taps_fit.TapsAccumulator(d, taps, stats_device, f"layer {k} taps", CALIBRATION_PARTIAL)
-                if taps > 1 else None)
+        layer_fit = LayerFit(k, d, stats_device, with_block, taps)
 
         def on_attention(i, h, x, y):
             with times.part("statistics"):
-                attn.update(x, y)
-                attn_cos.update(h, h + y)
-            if past is not None:
-                with times.part("taps_statistics"):
-                    past.update(x, y)
+                layer_fit.on_attention(h, x, y)
 
         def on_block(i, h, out):
             with times.part("statistics"):
-                if with_block:
-                    block.update(h, out)
-                block_cos.update(h, out)
+                layer_fit.on_block(h, out)
 
         following = calib_store(k + 1, False) if k + 1 < num_layers else None
         following_held = held_store(k + 1, False)
@@ -399,19 +403,13 @@ def calibrate_layers(stream: LayerStream, calib_ids: torch.Tensor, heldout_ids: 
                 out = stream.run_layer(k, current.read(start, stop))
                 if following is not None:
                     following.write(start, out)
-                attn.check_finite()
+                layer_fit.check_finite()
         with times.part("heldout"):
             for start, stop in _batches(held, batch_size):
                 following_held.write(start, stream.run_layer(k, current_held.read(start, stop)))
         with times.part("solve"):
-            entry, tensors = solve_layer(k, attn, block, attn_cos.value(), block_cos.value(),
-                                         save_covariances)
-        if past is not None:
-            with times.part("taps_solve"):
-                taps_map = taps_fit.solve(past.moments(), taps, taps_fit.DEFAULT_FORM, taps_rank or taps_fit.default_rank(d))
-            entry["taps"] = taps_fit.describe(taps_map)
-            tensors.update(taps_fit.map_tensors(k, taps_map))
-            del past
+            entry, tensors = layer_fit.solve(save_covariances, taps_rank)
+        layer_fit = None  # its sums (K d x K d with taps: 2 GiB at d 4096) are not kept into the next layer
         with times.part("save"):
             state.save_layer(k, entry, tensors)
             for store in (following, following_held):

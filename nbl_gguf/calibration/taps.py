@@ -8,10 +8,10 @@ calibration window) as at run time (llama.cpp's state of a new sequence is zero)
 tokens of a sequence are predicted from fewer inputs; the fit sees them as ordinary rows (K-1 of each
 window's tokens), which the bias and W_0 carry like the others.
 
-Streaming fit: `TapsAccumulator.update(x, y)` per batch of windows [batch, seq, d] (token order
-matters), `moments()` gives the float64 moments of the stacked input z_t = [x_t; x_(t-1); ...;
-x_(t-K+1)] (lag-major, lag 0 first), and `solve(moments, taps, form, rank)` the map in one of the
-forms below, as a `TapsMap` holding the tensors a GGUF stores.
+Streaming fit: `statistics.MomentAccumulator(d, d, taps=K)` gathers the float64 moments of the
+stacked input z_t = [x_t; x_(t-1); ...; x_(t-K+1)] (lag-major, lag 0 first) over windows [batch, seq,
+d] (token order matters), and `solve(moments, taps, form, rank)` gives the map in one of the forms
+below, as a `TapsMap` holding the tensors a GGUF stores. Every solve takes solve.spd_factor's ridge.
 
 Forms (bytes per layer: `TapsMap.params()`):
   full      the stacked LMMSE, K d x d matrices (W_0 and one lag map [d, (K-1) d]);
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nbl_gguf.calibration.statistics import Moments, check_finite_sums, moments_from_sums
+from nbl_gguf.calibration.solve import nmse, solve_right, spd_factor
+from nbl_gguf.calibration.statistics import Moments
 from nbl_gguf.errors import NblError
 
 FORMS = ("full", "lowrank", "channel")
@@ -44,109 +45,8 @@ DEFAULT_FORM = "lowrank"
 RANK_FRACTION = 4  # default rank: n_embd / RANK_FRACTION
 # a map's tensors, by their GGUF suffix and their name in the calibration state and artifact (taps.<layer>.<name>)
 TENSOR_NAMES = ("weight", "bias", "lag", "lag_down", "lag_up", "conv")
-RCOND = 1e-10  # ridge of the solves, relative to the largest diagonal entry
 CHANNEL_ITERATIONS = 50
 CHANNEL_TOLERANCE = 1e-5  # relative drop of the error below which the alternation stops
-
-
-class TapsAccumulator:
-    """Float64 sums of the stacked inputs z_t = [x_t; ...; x_(t-K+1)] and outputs y_t of one layer.
-
-    Like statistics.MomentAccumulator (same shift around the first batch's means, same moments()),
-    but X has K d columns made from the windows' token order. Each window starts a sequence: its
-    lags before the start are zeros. The K d x K d input sums cost K matrix products per batch, not
-    K^2: the blocks E[x_(t-i) x_(t-j)^T] along a diagonal differ only by the terms at the windows'
-    two ends.
-    """
-
-    def __init__(self, d: int, taps: int, device: str | torch.device = "cpu", name: str = "",
-                 partial: torch.dtype = torch.float64):
-        if taps < 1:
-            raise NblError(f"{name or 'taps'}: the number of taps must be at least 1, got {taps}")
-        self.d, self.taps, self.name = d, taps, name
-        self.device = torch.device(device)
-        # each batch's products in this dtype, added to the float64 sums (statistics.MomentAccumulator)
-        self.partial = partial
-        f64 = dict(dtype=torch.float64, device=self.device)
-        self.n = 0
-        self.shift_x = None
-        self.shift_y = None
-        self.sum_z = torch.zeros(taps * d, **f64)
-        self.sum_y = torch.zeros(d, **f64)
-        self.sum_zz = torch.zeros(taps * d, taps * d, **f64)
-        self.sum_yz = torch.zeros(d, taps * d, **f64)
-        self.sum_yy = torch.zeros(d, d, **f64)
-
-    @torch.no_grad()
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """x, y: [batch, seq, d] (or [seq, d], one window), token order along seq."""
-        if x.ndim == 2:
-            x, y = x[None], y[None]
-        if x.ndim != 3 or x.shape != y.shape or x.shape[-1] != self.d:
-            raise ValueError(f"{self.name}: expected X and Y of shape [batch, seq, {self.d}], "
-                             f"got {tuple(x.shape)} and {tuple(y.shape)}")
-        batch, seq, d = x.shape
-        if batch * seq == 0:
-            return
-        x = x.to(self.device, self.partial)
-        y = y.to(self.device, self.partial)
-        if self.shift_x is None:
-            # kept in the partial dtype, so that it is exactly the value subtracted
-            self.shift_x = torch.nan_to_num(x.reshape(-1, d).double().mean(0)).to(self.partial).double()
-            self.shift_y = torch.nan_to_num(y.reshape(-1, d).double().mean(0)).to(self.partial).double()
-        k = self.taps
-        shift_x = self.shift_x.to(self.partial)
-        # p[:, u + k - 1] = x_u - shift for u >= 0 and 0 - shift before the window's start, so
-        # that z_j(t) - shift = p[:, t - j + k - 1] for every lag j
-        p = torch.cat([(-shift_x).expand(batch, k - 1, d), x - shift_x], 1)
-        yc = (y - self.shift_y.to(self.partial)).reshape(-1, d)
-
-        def lag(j: int) -> torch.Tensor:
-            return p[:, k - 1 - j: k - 1 - j + seq].reshape(-1, d)
-
-        self.n += batch * seq
-        self.sum_y += yc.sum(0, dtype=torch.float64)
-        self.sum_yy += (yc.T @ yc).double()
-        current = lag(0)
-        first_row = []
-        for j in range(k):
-            lagged = current if j == 0 else lag(j)
-            self.sum_z[j * d:(j + 1) * d] += lagged.sum(0, dtype=torch.float64)
-            self.sum_yz[:, j * d:(j + 1) * d] += (yc.T @ lagged).double()
-            first_row.append((current.T @ lagged).double())
-        # block(i, i + s) = block(i - 1, i - 1 + s) + p_(-i) p_(-i-s)^T - p_(seq-i) p_(seq-i-s)^T
-        # (sum over t of p_(t-i) p_(t-i-s)^T, shifted by one position)
-        for s in range(k):
-            block = first_row[s]
-            for i in range(k - s):
-                if i > 0:
-                    head = p[:, k - 1 - i], p[:, k - 1 - i - s]
-                    tail = p[:, k - 1 + seq - i], p[:, k - 1 + seq - i - s]
-                    block = block + (head[0].T @ head[1] - tail[0].T @ tail[1]).double()
-                j = i + s
-                self.sum_zz[i * d:(i + 1) * d, j * d:(j + 1) * d] += block
-                if s:
-                    self.sum_zz[j * d:(j + 1) * d, i * d:(i + 1) * d] += block.T
-
-    def check_finite(self) -> None:
-        check_finite_sums(self.name, self.sum_z, self.sum_y)
-
-    def moments(self) -> Moments:
-        """Moments of (z, y) with z the K d stacked input, lag-major (lag 0 = the current token first)."""
-        self.check_finite()
-        return moments_from_sums(self.name, self.n, self.sum_z, self.sum_y, self.sum_zz, self.sum_yz, self.sum_yy,
-                                 None if self.shift_x is None else self.shift_x.repeat(self.taps),
-                                 self.shift_y)
-
-
-def fewer_taps(m: Moments, taps: int) -> Moments:
-    """The moments for ``taps`` taps out of moments accumulated with more: the leading blocks (lags
-    0..taps-1), which the same zero-padded windows would have given."""
-    d = m.cyx.shape[0]
-    k = taps * d
-    if not 1 <= taps or k > m.cxx.shape[0]:
-        raise NblError(f"{m.name}: cannot take {taps} taps from moments of {m.cxx.shape[0] // d}")
-    return Moments(m.n, m.mean_x[:k], m.mean_y, m.cxx[:k, :k], m.cyx[:, :k], m.cyy, m.name)
 
 
 @dataclass
@@ -213,26 +113,13 @@ class TapsMap:
 
 
 def _right_solve(b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """b c^-1 for a symmetric positive semi-definite c."""
-    return _spd_solve(c, b.T).T
+    """b c^-1 for a symmetric positive semi-definite c (solve.spd_factor's ridge)."""
+    return solve_right(b, spd_factor((c + c.T) / 2)[0])
 
 
 def _spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a^-1 b for a symmetric positive semi-definite a, by Cholesky with a ridge of RCOND times its
-    largest diagonal entry (raised until the factorization succeeds). Not solve.fit's eigen-solve:
-    the stacked K d x K d systems are solved for every form and layer, and an eigen-decomposition of
-    that size costs tens of times a Cholesky factorization on a CPU."""
-    ridge = RCOND * float(a.diagonal().max().clamp_min(1e-300))
-    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-    vector = b.ndim == 1
-    b = b[:, None] if vector else b
-    for _ in range(10):
-        factor, info = torch.linalg.cholesky_ex((a + a.T) / 2 + ridge * eye)
-        if int(info) == 0:
-            x = torch.cholesky_solve(b, factor)
-            return x[:, 0] if vector else x
-        ridge *= 100
-    raise NblError("the taps system is not positive definite (non-finite moments?)")
+    """a^-1 b for a symmetric positive semi-definite a and a vector b."""
+    return torch.cholesky_solve(b[:, None], spd_factor((a + a.T) / 2)[0])[:, 0]
 
 
 def _check(m: Moments, taps: int) -> int:
@@ -245,13 +132,6 @@ def _check(m: Moments, taps: int) -> int:
     return d
 
 
-def _nmse(m: Moments, stacked: torch.Tensor) -> float:
-    """E||y - yhat||^2 / Tr(C_yy) for yhat = stacked z + (the best bias), exact from the moments."""
-    total = float(torch.trace(m.cyy))
-    mse = total - 2 * float(torch.sum(stacked * m.cyx)) + float(torch.sum((stacked @ m.cxx) * stacked))
-    return max(mse, 0.0) / total if total > 0 else 0.0
-
-
 def _oldest_first(lag_major: torch.Tensor, d: int) -> torch.Tensor:
     """Columns of lags 1..K-1 (lag-major) reordered oldest first, the file's order."""
     k1 = lag_major.shape[1] // d
@@ -261,7 +141,7 @@ def _oldest_first(lag_major: torch.Tensor, d: int) -> torch.Tensor:
 def _finish(m: Moments, taps: int, stacked: torch.Tensor, **tensors) -> TapsMap:
     bias = m.mean_y - stacked @ m.mean_x
     arrays = {name: None if t is None else t.cpu().numpy() for name, t in tensors.items()}
-    return TapsMap(taps=taps, bias=bias.cpu().numpy(), nmse=_nmse(m, stacked), **arrays)
+    return TapsMap(taps=taps, bias=bias.cpu().numpy(), nmse=nmse(m, stacked), **arrays)
 
 
 def solve_full(m: Moments, taps: int) -> TapsMap:
@@ -323,7 +203,7 @@ def solve_channel(m: Moments, taps: int, iterations: int = CHANNEL_ITERATIONS,
         return weight, torch.cat([weight * c[j][None, :] for j in range(k)], 1)
 
     weight, stacked = shared_map(c)
-    error = _nmse(m, stacked)
+    error = nmse(m, stacked)
     for _ in range(iterations if k > 1 else 0):
         gram = weight.T @ weight
         hessian = torch.cat([torch.cat([gram * czz[i, :, j, :] for j in range(1, k)], 1) for i in range(1, k)], 0)
@@ -331,7 +211,7 @@ def solve_channel(m: Moments, taps: int, iterations: int = CHANNEL_ITERATIONS,
                          - torch.einsum("kl,lk->k", gram, czz[0, :, j, :]) for j in range(1, k)])
         c[1:] = _spd_solve(hessian, rhs).reshape(k - 1, d)
         weight, stacked = shared_map(c)
-        previous, error = error, _nmse(m, stacked)
+        previous, error = error, nmse(m, stacked)
         if previous - error <= tolerance * max(previous, 1e-300):
             break
     conv = c.flip(0).contiguous()  # [K, d], oldest first

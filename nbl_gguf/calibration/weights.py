@@ -154,8 +154,7 @@ class SafetensorsSource(WeightSource):
         self.entries: dict[str, _SafetensorsEntry] = {}
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
-            raise NblError(f"{self.folder} has no *.safetensors files: the layer-streamed calibration reads "
-                           f"safetensors (convert .bin checkpoints, or use --whole-model)")
+            raise NblError(f"{self.folder} has no *.safetensors files (nor a PyTorch *.bin checkpoint)")
         for path in files:
             self._read_header(path)
         self.targets = self._map_names()
@@ -251,6 +250,31 @@ class SafetensorsSource(WeightSource):
                 block = torch.frombuffer(raw, dtype=entry.dtype).reshape(stop - start, width)
                 out[wanted] = block[rows[wanted] - start].to(dtype)
         return out
+
+
+class ResidentSource(WeightSource):
+    """The parameters of a model already in memory (a loaded HF model): the layer stream over them is
+    the whole-model calibration, with nothing read from disk."""
+
+    def __init__(self, model, loaded):
+        super().__init__(model)
+        self.loaded = loaded
+        self.state = dict(loaded.named_parameters(remove_duplicate=False))
+
+    def describe(self) -> str:
+        return f"the loaded {type(self.loaded).__name__}"
+
+    def parameter(self, name: str, dtype) -> torch.Tensor:
+        found = self.state.get(name)
+        if found is None:
+            found = self.state.get(self.aliases.get(name, ""))
+        if found is None:
+            raise NblError(f"{self.describe()} has no parameter {name}")
+        return found.detach().to(dtype)
+
+    def embedding_rows(self, name: str, rows: torch.Tensor, dtype) -> torch.Tensor:
+        table = self.parameter(name, dtype)
+        return table[rows.to(table.device)].cpu()
 
 
 class GgufSource(WeightSource):
@@ -403,10 +427,23 @@ def module_name(model, module) -> str:
 
 
 def open_source(model, source) -> WeightSource:
-    """The WeightSource of a model_source.ModelSource: its GGUF file, else its HF folder."""
+    """The WeightSource of a model_source.ModelSource: its GGUF file, else its HF folder's safetensors,
+    else its PyTorch *.bin checkpoint, which cannot be read a tensor at a time: transformers loads it
+    whole (memory for the whole model, in the checkpoint's dtype) and the layers are served from it."""
     if source.gguf is not None:
         return GgufSource(model, source.gguf.path)
-    return SafetensorsSource(model, source.hf_folder())
+    folder = Path(source.hf_folder())
+    if not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin")):
+        from transformers import AutoModelForCausalLM
+
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", use_safetensors=False)
+        except Exception as error:  # noqa: BLE001 - a truncated or foreign pickle: each loader its own type
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise NblError(f"cannot load the PyTorch checkpoint in {folder} ({type(error).__name__}: {first})") \
+                from error
+        return ResidentSource(model, loaded.eval())
+    return SafetensorsSource(model, folder)
 
 
 def file_identity(path: Path) -> dict:
@@ -416,6 +453,6 @@ def file_identity(path: Path) -> dict:
 
 
 def folder_identity(folder: Path) -> list[dict]:
-    names = sorted(p for p in Path(folder).iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
+    names = sorted(p for p in Path(folder).iterdir() if p.suffix in (".safetensors", ".bin", ".json") and p.is_file())
     return [file_identity(p) for p in names]
 

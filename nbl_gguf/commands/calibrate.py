@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from nbl_gguf.calibration.calibrate import METHODS, Settings
+from nbl_gguf.calibration.settings import METHODS, Settings
 from nbl_gguf.commands import flags
 
 
@@ -42,7 +42,8 @@ def settings(args: argparse.Namespace) -> Settings:
 
 def run(args: argparse.Namespace) -> int:
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.calibration.calibrate import calibrate, describe_artifact
+    from nbl_gguf.calibration.calibrate import calibrate
+    from nbl_gguf.calibration.report import describe_artifact
 
     print(describe_artifact(load_artifact(calibrate(settings(args)))))
     return 0

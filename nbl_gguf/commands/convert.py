@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbl_gguf.calibration.calibrate import Settings, selection_budget
+from nbl_gguf.calibration.settings import Settings, selection_budget
 from nbl_gguf.commands import flags
 from nbl_gguf.commands.convert_summary import Summary, resources_table
 from nbl_gguf.errors import NblError
@@ -191,7 +191,8 @@ def convert(args) -> Summary:
     from tqdm import tqdm
 
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.calibration.calibrate import calibrate, describe_artifact
+    from nbl_gguf.calibration.calibrate import calibrate
+    from nbl_gguf.calibration.report import describe_artifact
     from nbl_gguf.gguf import nbl_format
     from nbl_gguf.gguf.hf_to_gguf import check_conversion_space, check_hf_folder, convert_hf_to_gguf, model_shape
     from nbl_gguf.gguf.metadata import kv_sizes, taps_state, training_context

@@ -14,7 +14,7 @@ import re
 
 from nbl_gguf import models
 from nbl_gguf.calibration.artifact import DEFAULT_CRITERION, SELECTIONS
-from nbl_gguf.calibration.calibrate import (DEFAULT_M, DEFAULT_MAX_PPL_INCREASE, DEFAULT_SELECTION_TEXT,
+from nbl_gguf.calibration.settings import (DEFAULT_M, DEFAULT_MAX_PPL_INCREASE, DEFAULT_SELECTION_TEXT,
                                             DEFAULT_SELECTION_TOKENS, DEFAULT_TAPS)
 from nbl_gguf.errors import NblError
 
@@ -231,8 +231,7 @@ def add_compute_arguments(parser: argparse.ArgumentParser) -> None:
                              "and, when they fit, the windows' hidden states (else they go to disk) "
                              "(default: half the available memory)")
     parser.add_argument("--whole-model", action="store_true",
-                        help="load the whole model at once instead of one layer at a time (the reference path: "
-                             "same results, memory for every layer)")
+                        help="deprecated, changes nothing: every calibration runs one layer at a time (one engine)")
 
 
 def group_names(*adders) -> tuple[str, ...]:

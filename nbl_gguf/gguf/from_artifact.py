@@ -45,7 +45,7 @@ def check_taps(args, source, method: str, hidden: int | None = None, device: str
     K; 'auto' is DEFAULT_TAPS where the file can carry them and the calibration (on ``device``, width
     ``hidden``, its tokens) fits them cheaply, else 1 (with --calibration, convert takes the artifact's
     instead)."""
-    from nbl_gguf.calibration.calibrate import DEFAULT_NSAMPLES, check_taps as check_calibration_taps
+    from nbl_gguf.calibration.settings import DEFAULT_NSAMPLES, check_taps as check_calibration_taps
     from nbl_gguf.gguf import nbl_format
 
     # the fit tokens asked for; their stacked inputs (K x hidden) need more tokens than that to be solved
@@ -54,8 +54,7 @@ def check_taps(args, source, method: str, hidden: int | None = None, device: str
         nsamples = DEFAULT_NSAMPLES["cuda" if device.startswith("cuda") else "cpu"]
     tokens = nsamples * args.seqlen if nsamples is not None and getattr(args, "seqlen", None) else None
     if args.taps == "auto":
-        fits = (args.runtime == "nbl" and method == "attn-nbl" and not getattr(args, "whole_model", False)
-                and gguf_architecture(source) in nbl_format.TAPS_ARCHITECTURES)
+        fits = args.runtime == "nbl" and method == "attn-nbl" and gguf_architecture(source) in nbl_format.TAPS_ARCHITECTURES
         cheap = device.startswith("cuda") or hidden is None or hidden <= AUTO_TAPS_CPU_MAX_WIDTH
         enough = tokens is None or hidden is None or tokens > DEFAULT_TAPS * hidden
         return DEFAULT_TAPS if fits and cheap and enough else 1
@@ -102,7 +101,7 @@ def taps_maps(artifact, layers: list[int], taps: int) -> dict:
 def chosen_layers(artifact, args, method: str, n_layer: int, taps: int = 1) -> list[int]:
     """The layers to replace: the calibration's own choice (made in this run, or --m auto), else the
     artifact's maps re-ranked for --m / --criterion."""
-    from nbl_gguf.calibration.calibrate import default_m
+    from nbl_gguf.calibration.settings import default_m
 
     selection = artifact.report["selection"]
     if args.m == "auto":

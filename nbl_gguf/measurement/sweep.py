@@ -98,7 +98,9 @@ def _log(message: str) -> None:
 
 def get_calibration(args, source, work: Path):
     from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.calibration.calibrate import Settings, calibrate, describe_artifact
+    from nbl_gguf.calibration.calibrate import calibrate
+    from nbl_gguf.calibration.report import describe_artifact
+    from nbl_gguf.calibration.settings import Settings
 
     if args.calibration:
         if not Path(args.calibration).is_dir():
@@ -139,7 +141,7 @@ def best_choices(artifact, source, methods: list[str], ms: list[int], cache, cal
     import torch
 
     from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
-    from nbl_gguf.calibration.calibrate import DEFAULT_SELECTION_TEXT, DEFAULT_SELECTION_TOKENS
+    from nbl_gguf.calibration.settings import DEFAULT_SELECTION_TEXT, DEFAULT_SELECTION_TOKENS
     from nbl_gguf.calibration.dataset import (CALIBRATION_KIND, bundled_selection_windows, load_calibration,
                                               mix_windows, parse_selection_text)
     from nbl_gguf.calibration.select import best_of
