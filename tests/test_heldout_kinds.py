@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import io
 import json
 import lzma
@@ -70,10 +69,9 @@ def test_the_readme_names_the_files_as_they_are_and_the_license_is_shipped():
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("make_heldout_texts", ROOT / "scripts" / "make_heldout_texts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from nbl_gguf.calibration import bundled_text
+
+    return bundled_text
 
 
 def fake_deb(path: Path, files: dict[str, bytes]) -> Path:

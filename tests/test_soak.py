@@ -1,4 +1,4 @@
-"""The server soak (scripts/soak_server.py) for 30 s, on a tiny NBL GGUF: 8 concurrent greedy clients,
+"""The server soak (nbl_gguf/measurement/soak.py) for 30 s, on a tiny NBL GGUF: 8 concurrent greedy clients,
 0 failed requests, every response equal to the single-client reference, prompts served from the
 cache, and the server's memory flat after the warm-up. (The committed 5-minute run on the embedded
 SmolLM2 is in docs/results/soak.md; converting that model would take minutes here.)"""
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,6 @@ from nbl_gguf.fixtures.tiny import TinyLlama
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.llamacpp.tools import bin_dir
 
-ROOT = Path(__file__).resolve().parent.parent
 A, L, D = nbl_format.ATTENTION, nbl_format.LINEAR, nbl_format.DROPPED
 
 
@@ -32,7 +30,7 @@ def test_soak_30_seconds(tmp_path):
     # with an F16 cache the flash-attention paths round differently enough to flip this random model's
     # near-ties; in F32 what is left is summation order. One thread: on a busy 2-core machine a second
     # one mostly waits at barriers.
-    command = [sys.executable, str(ROOT / "scripts" / "soak_server.py"), "--model", str(path), "--duration", "30",
+    command = [sys.executable, "-m", "nbl_gguf.measurement.soak", "--model", str(path), "--duration", "30",
                "--warmup", "10", "--clients", "8", "--max-requests", "5000", "--prompt-scale", "0.25",
                "--ctx-per-slot", "1024", "--threads", "1", "--server-arg=-ctk", "--server-arg=f32",
                "--server-arg=-ctv", "--server-arg=f32", "--json", str(out)]

@@ -2,7 +2,7 @@
 documentation) and source code (Python standard library modules), from Debian bookworm's packages.
 
     apt-get download python3.11-doc=3.11.2-6+deb12u9 libpython3.11-stdlib=3.11.2-6+deb12u9
-    python scripts/make_heldout_texts.py --doc-deb python3.11-doc_3.11.2-6+deb12u9_all.deb \\
+    python -m nbl_gguf.calibration.bundled_text --doc-deb python3.11-doc_3.11.2-6+deb12u9_all.deb \\
         --stdlib-deb libpython3.11-stdlib_3.11.2-6+deb12u9_amd64.deb
 
 Without --doc-deb/--stdlib-deb it runs that `apt-get download` into a temporary folder. It reads the
@@ -34,7 +34,7 @@ from pathlib import Path
 
 VERSION = "3.11.2-6+deb12u9"
 PACKAGES = {"doc": f"python3.11-doc={VERSION}", "stdlib": f"libpython3.11-stdlib={VERSION}"}
-DATA = Path(__file__).resolve().parent.parent / "nbl_gguf" / "data"
+DATA = Path(__file__).resolve().parent.parent / "data"  # nbl_gguf/data
 DOC_ROOT = "usr/share/doc/python3.11/html/"
 STDLIB_ROOT = "usr/lib/python3.11/"
 # prose: the tutorial, the HOWTOs and the FAQ (running text; the library reference is mostly API entries)

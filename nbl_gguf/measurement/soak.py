@@ -1,7 +1,7 @@
 """Soak test: llama-server with an NBL GGUF on loopback, many concurrent greedy clients for minutes.
 
-    .venv/bin/python scripts/soak_server.py                      # the embedded SmolLM2, --m 4, q4_k_m, 5 minutes
-    .venv/bin/python scripts/soak_server.py --model F.gguf --duration 30 --json out/soak.json
+    .venv/bin/python -m nbl_gguf.measurement.soak                # the embedded SmolLM2, --m 4, q4_k_m, 5 minutes
+    .venv/bin/python -m nbl_gguf.measurement.soak --model F.gguf --duration 30 --json out/soak.json
 
 The patched build/bin/llama-server serves the GGUF on 127.0.0.1 with one slot per client
 (--parallel), prompt caching (requests with cache_prompt) and KV-shifting cache reuse (--cache-reuse).
@@ -36,13 +36,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from nbl_gguf.calibration.dataset import heldout_texts
+from nbl_gguf.llamacpp.tools import tool
 
-from nbl_gguf.calibration.dataset import heldout_texts  # noqa: E402
-from nbl_gguf.llamacpp.tools import tool  # noqa: E402
-
-DEFAULT_MODEL = ROOT / "out" / "soak" / "SmolLM2-135M-Instruct-nbl-m4-q4_k_m.gguf"
+DEFAULT_MODEL = Path("out") / "soak" / "SmolLM2-135M-Instruct-nbl-m4-q4_k_m.gguf"  # under the working folder
 # a short calibration: which 4 layers, and how well fitted, matters to quality, not to a soak
 CONVERT_DEFAULT = ["--m", "4", "--quant", "q4_k_m", "--nsamples", "8", "--seqlen", "512", "--criterion", "cosine",
                    "--no-eval", "--no-progress"]
@@ -345,14 +342,14 @@ def default_model() -> Path:
         DEFAULT_MODEL.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "nbl_gguf", "convert", *CONVERT_DEFAULT, "-o", str(DEFAULT_MODEL)]
         print("making the default model: " + " ".join(command[1:]), file=sys.stderr, flush=True)
-        subprocess.run(command, check=True, cwd=ROOT)
+        subprocess.run(command, check=True)
     return DEFAULT_MODEL
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None,
-                        help=f"NBL GGUF (default: {DEFAULT_MODEL.relative_to(ROOT)}, made by convert "
+                        help=f"NBL GGUF (default: {DEFAULT_MODEL}, made by convert "
                              f"{' '.join(CONVERT_DEFAULT[:4])} if missing)")
     parser.add_argument("--duration", type=float, default=300, help="seconds of concurrent load (default: 300)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients and server slots (default: 8)")
@@ -410,7 +407,7 @@ def main(argv=None) -> int:
     memory = memory_report(sampler.samples, soak_start, soak_end, args.warmup)
     summary = summarize(soak.records, reference, soak.max_in_flight, seconds, memory, args)
     result = {
-        "command": "scripts/soak_server.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m nbl_gguf.measurement.soak " + " ".join(sys.argv[1:] if argv is None else argv),
         "server_command": [Path(command[0]).name, *command[1:]],
         "model": str(model), "model_bytes": model.stat().st_size,
         "settings": {k: getattr(args, k) for k in ("duration", "clients", "max_requests", "n_predict", "prompt_scale",
