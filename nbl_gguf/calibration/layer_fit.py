@@ -86,7 +86,7 @@ class LayerFit:
         entry["attn"]["nmse_nobias"] = nobias.nmse
         entry["attn"]["ridge_nobias"] = nobias.ridge
         tensors[f"attn.{index}.weight_nobias"] = nobias.weight.float().cpu().numpy()
-        if self.taps > 1:
+        if self.taps > 1:  # with every thread: its K d systems are large enough to gain from them
             taps_map = taps_fit.solve(stacked, self.taps, taps_fit.DEFAULT_FORM,
                                       taps_rank or taps_fit.default_rank(self.d))
             entry["taps"] = taps_fit.describe(taps_map)

@@ -90,7 +90,7 @@ EIGENVALUES_UP_TO = 1024
 COND_BLOCK, COND_ITERATIONS = 8, 12
 
 
-def spd_factor(c: torch.Tensor, rcond: float = RCOND) -> tuple[torch.Tensor, float, float]:
+def spd_factor(c: torch.Tensor, rcond: float = RCOND, exact: bool = True) -> tuple[torch.Tensor, float, float]:
     """(L, ridge, cond): the lower Cholesky factor of C + ridge I, the ridge that keeps C's smallest
     eigenvalue at ``rcond`` times its largest (0 for a well-conditioned C: _floor), and C's condition
     number. The one policy of every solve of the calibration (per-token, block and taps maps).
@@ -99,15 +99,22 @@ def spd_factor(c: torch.Tensor, rcond: float = RCOND) -> tuple[torch.Tensor, flo
     alone (docs/results/scale-cpu.md), to decide a ridge that activations rarely need. Above
     EIGENVALUES_UP_TO, a Cholesky of C - rcond Tr(C) I decides it instead: it succeeds only when the
     smallest eigenvalue is above rcond Tr(C) >= rcond max, where _floor's ridge is 0; cond is then
-    estimated by subspace iteration at both ends (from below: 2-5% low on dense spectra). Anything
-    else, and any smaller C, takes the eigenvalues."""
-    if c.shape[0] > EIGENVALUES_UP_TO:
+    estimated by subspace iteration at both ends (from below: 2-5% low on dense spectra). Where it
+    fails, the eigenvalues decide, as for any smaller C.
+
+    ``exact=False`` (the taps systems, which only need solving: nothing reports their ridge or cond)
+    takes the Cholesky test at every size and, where it fails, the ridge rcond Tr(C), at most n times
+    the exact one and as negligible; cond is nan. Their K d systems are often that ill-conditioned
+    (the lags are correlated), and eigenvalues there cost more than the rest of a layer's solve."""
+    if c.shape[0] > EIGENVALUES_UP_TO or not exact:
         scale = float(torch.trace(c))
         if scale > 0:
             eye = torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
             if int(torch.linalg.cholesky_ex(c - rcond * scale * eye)[1]) == 0:
                 factor = _cholesky(c, 0.0)
-                return factor, 0.0, _estimated_cond(c, factor)
+                return factor, 0.0, _estimated_cond(c, factor) if exact else float("nan")
+            if not exact:
+                return _cholesky(c, rcond * scale), rcond * scale, float("nan")
     values = _eigvals(c)
     ridge = _floor(values, rcond)
     return _cholesky(c, ridge), ridge, _cond(values)

@@ -114,12 +114,12 @@ class TapsMap:
 
 def _right_solve(b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """b c^-1 for a symmetric positive semi-definite c (solve.spd_factor's ridge)."""
-    return solve_right(b, spd_factor((c + c.T) / 2)[0])
+    return solve_right(b, spd_factor((c + c.T) / 2, exact=False)[0])
 
 
 def _spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a^-1 b for a symmetric positive semi-definite a and a vector b."""
-    return torch.cholesky_solve(b[:, None], spd_factor((a + a.T) / 2)[0])[:, 0]
+    return torch.cholesky_solve(b[:, None], spd_factor((a + a.T) / 2, exact=False)[0])[:, 0]
 
 
 def _check(m: Moments, taps: int) -> int:
