@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     from nbl_gguf.calibration.dataset import EVALUATION, KINDS, build_windows, kind_texts
     from nbl_gguf.calibration.select import best_of, ppl_increase
     from nbl_gguf.calibration.solve import ranking
-    from nbl_gguf.calibration.stream import LayerStream, StreamedEvaluator
+    from nbl_gguf.calibration.stream import LayerStream
+    from nbl_gguf.calibration.variants import StreamedEvaluator
     from nbl_gguf.model_source import resolve_model
 
     artifact = load_artifact(args.calibration)

@@ -20,7 +20,8 @@ from nbl_gguf.calibration.artifact import load_artifact
 from nbl_gguf.calibration.capture import capture_activations
 from nbl_gguf.calibration.layer_fit import LayerFit
 from nbl_gguf.calibration.solve import ranking
-from nbl_gguf.calibration.stream import LayerStream, StreamedEvaluator
+from nbl_gguf.calibration.stream import LayerStream
+from nbl_gguf.calibration.variants import StreamedEvaluator
 from nbl_gguf.errors import NblError
 from nbl_gguf.models import decoder_layers, get_adapter
 

@@ -226,7 +226,8 @@ def test_a_budget_below_one_layer_is_refused_before_any_work(tiny_folder, tmp_pa
 
 def test_hidden_states_on_disk_give_the_same_calibration(tiny_folder, tmp_path, capsys):
     """A budget that holds one layer but not the windows' hidden states puts them in files."""
-    from nbl_gguf.calibration.stream import LayerStream, plan_hidden
+    from nbl_gguf.calibration.memory_plan import plan_hidden
+    from nbl_gguf.calibration.stream import LayerStream
     from nbl_gguf.model_source import resolve_model
 
     stream = LayerStream(resolve_model(str(tiny_folder / "model")), torch.float32, "cpu")
@@ -246,7 +247,8 @@ def test_on_a_gpu_hidden_states_spill_to_host_memory_then_to_disk(tiny_folder, m
     free memory), else they spill to host memory within the budget (which then holds no layer), else to
     disk; a GPU that cannot hold one layer is an error that names what it needs. The GPU is simulated:
     the plan reads only torch.cuda.mem_get_info (the run itself moves each batch to the layer's device)."""
-    from nbl_gguf.calibration.stream import LayerStream, plan_hidden
+    from nbl_gguf.calibration.memory_plan import plan_hidden
+    from nbl_gguf.calibration.stream import LayerStream
     from nbl_gguf.model_source import resolve_model
 
     stream = LayerStream(resolve_model(str(tiny_folder / "model")), torch.float32, "cpu")
@@ -296,7 +298,8 @@ def test_on_a_real_gpu_hidden_states_spill_to_host_memory_and_disk_with_the_same
     by another allocation, as on a shared GPU): the layer runs on the GPU, the hidden states go to host
     memory, or to disk under a --memory-budget smaller than them, and the calibration is the one the
     GPU-resident run gives."""
-    from nbl_gguf.calibration.stream import LayerStream, plan_hidden
+    from nbl_gguf.calibration.memory_plan import plan_hidden
+    from nbl_gguf.calibration.stream import LayerStream
     from nbl_gguf.model_source import resolve_model
 
     args = ["--model", gpu_folder / "model", "--dataset", gpu_folder / "data.jsonl", "--nsamples", GPU_WINDOWS,

@@ -39,7 +39,7 @@ def _versions() -> dict:
 
 def select(layers: list[dict], args, m: int | None, budget: float | None, evaluator) -> dict:
     """The artifact's selection: a local ranking cut at m, or (best, greedy, --m auto) choices measured
-    by ``evaluator`` (stream.StreamedEvaluator) on the held-out windows."""
+    by ``evaluator`` (variants.StreamedEvaluator) on the held-out windows."""
     from nbl_gguf.calibration.artifact import METHOD_TARGET
     from nbl_gguf.calibration.select import DEFAULT_CANDIDATES, best_of, greedy, walk
     from nbl_gguf.calibration.solve import ranking, select_layers
@@ -74,8 +74,9 @@ def run_streamed(args, source, stream, calib, heldout_ids, targets, m_fixed, bud
     from nbl_gguf.calibration.apply import ATTN_TAPS, METHOD_LAYER_TYPE
     from nbl_gguf.calibration.artifact import LazyTensors
     from nbl_gguf.calibration.resume import CalibrationState, model_identity, tokens_digest
-    from nbl_gguf.calibration.stream import (StreamedEvaluator, StreamTimes, calibrate_layers, estimated_state_bytes,
-                                             plan_hidden)
+    from nbl_gguf.calibration.layer_loop import StreamTimes, calibrate_layers
+    from nbl_gguf.calibration.memory_plan import estimated_state_bytes, plan_hidden
+    from nbl_gguf.calibration.variants import StreamedEvaluator
     from nbl_gguf import __version__
 
     held = 0 if heldout_ids is None else int(heldout_ids.shape[0])

@@ -10,7 +10,7 @@ it is the default; cca stays selectable as the paper's.
 replacement by its map gives the whole model the lowest loss on held-out calibration windows. The
 candidates of a step are the first layers not yet chosen of the cosine and the nmse rankings taken in
 turn: cosine finds layers whose attention does little, nmse those whose attention is close to linear
-however much it does. An evaluator answers ``losses(sets)`` (stream.StreamedEvaluator: each trial
+however much it does. An evaluator answers ``losses(sets)`` (variants.StreamedEvaluator: each trial
 runs only the layers from its first replaced one on, over the kept inputs of that layer); the
 selections ask for every set they need at once, so that it reads each layer once per call.
 

@@ -83,7 +83,7 @@ def choose_windows(stream, ids: torch.Tensor, count: int, window: Window, *, rep
     """The ``count`` layers (of ``candidates``, by default every layer not in ``replaced``) whose window
     costs least on windows ``ids`` [texts, ctx], each measured alone on top of ``replaced`` ({layer:
     apply.py type}, their maps from ``maps(layer, type)``), then together."""
-    from nbl_gguf.calibration.stream import run_variants
+    from nbl_gguf.calibration.variants import run_variants
 
     replaced = dict(replaced or {})
     pool = sorted(candidates if candidates is not None else

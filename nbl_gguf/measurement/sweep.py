@@ -146,7 +146,8 @@ def best_choices(artifact, source, methods: list[str], ms: list[int], cache, cal
                                               mix_windows, parse_selection_text)
     from nbl_gguf.calibration.select import best_of
     from nbl_gguf.calibration.solve import ranking
-    from nbl_gguf.calibration.stream import LayerStream, StreamedEvaluator
+    from nbl_gguf.calibration.stream import LayerStream
+    from nbl_gguf.calibration.variants import StreamedEvaluator
     from nbl_gguf.models import max_context
 
     data = artifact.report["data"]

@@ -82,7 +82,8 @@ def streamed_perplexities(source, variants: dict[str, dict[int, int]], linear, t
     import torch
 
     from nbl_gguf import models
-    from nbl_gguf.calibration.stream import LayerStream, run_variants
+    from nbl_gguf.calibration.stream import LayerStream
+    from nbl_gguf.calibration.variants import run_variants
 
     stream = LayerStream(source, models.resolve_dtype(dtype, device), device)
     windows = torch.tensor(perplexity_chunks(tokens, n_ctx, chunks, bos), dtype=torch.long)
