@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from _convert_helpers import calibrate_for_convert, convert_args
+from _convert_helpers import convert_args
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.llamacpp.tools import bin_dir, source_dir
 
@@ -29,24 +29,19 @@ EVAL_CHUNKS = 2
 
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory):
-    """Calibration (tiny: 6 x 128 tokens; fidelity needs the same W on both sides, not a good W),
-    the F32 NBL GGUF and its q4_k_m quantization."""
+def embedded(embedded_calibration, tmp_path_factory):
+    """The session's calibration of the embedded model (tests/conftest.py; fidelity needs the same W on
+    both sides, not a good W), the F32 NBL GGUF of the embedded model's folder and its q4_k_m quantization."""
     pytest.importorskip("llama_cpp")
-    from nbl_gguf import models
-    from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.commands.convert import convert
     from nbl_gguf.gguf.quantize import quantize
 
     root = tmp_path_factory.mktemp("fidelity")
-    model_dir = models.default_model_dir()
-    artifact_dir = calibrate_for_convert(root / "calibration", model_dir,
-                                         convert_args(nsamples=6, seqlen=128, m=M, device="cpu"))
     f32 = root / "nbl-f32.gguf"
-    summary = convert(convert_args(calibration=str(artifact_dir), m=M, quant="f32", output=str(f32), no_eval=False,
-                                   eval_chunks=EVAL_CHUNKS))
+    summary = convert(convert_args(calibration=str(embedded_calibration.path), m=M, quant="f32", output=str(f32),
+                                   no_eval=False, eval_chunks=EVAL_CHUNKS))
     q4 = quantize(f32, root / "nbl-q4_k_m.gguf", "q4_k_m")
-    return load_artifact(artifact_dir), summary, f32, q4
+    return embedded_calibration, summary, f32, q4
 
 
 def _heldout_windows(tokenizer) -> list[list[int]]:

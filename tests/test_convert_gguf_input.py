@@ -338,21 +338,20 @@ def embedded_gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smol(embedded_gguf, tmp_path_factory):
-    """`convert --model SmolLM2-135M-Instruct.Q4_1.gguf --m 4` with a small calibration (8 x 256 tokens),
-    and its artifact."""
+def smol(embedded_gguf, embedded_calibration, tmp_path_factory):
+    """`convert --model SmolLM2-135M-Instruct.Q4_1.gguf --m 4` with the calibration that convert makes of
+    that file, small (8 x 256 tokens): the session's (tests/conftest.py); and its artifact."""
     pytest.importorskip("llama_cpp")
-    from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.commands.convert import convert
 
-    root = tmp_path_factory.mktemp("gguf-in")
-    output = root / "out" / "smol-nbl.gguf"
+    assert embedded_calibration.report["model"]["gguf"]["file"] == embedded_gguf.name
+    assert embedded_calibration.report["data"]["tokens"] == 8 * 256
+    output = tmp_path_factory.mktemp("gguf-in") / "out" / "smol-nbl.gguf"
     output.parent.mkdir()
-    summary = convert(convert_args(model=str(embedded_gguf), m=M, seqlen=256, criterion=CRITERION,
-                                   output=str(output), save_calibration=str(root / "calibration")))
-    artifact = load_artifact(root / "calibration")
-    types = artifact.layer_types(M, CRITERION, "attn-nbl")
-    return summary, output, artifact, types
+    summary = convert(convert_args(model=str(embedded_gguf), calibration=str(embedded_calibration.path), m=M,
+                                   criterion=CRITERION, output=str(output)))
+    types = embedded_calibration.layer_types(M, CRITERION, "attn-nbl")
+    return summary, output, embedded_calibration, types
 
 
 @pytest.fixture(scope="module")
