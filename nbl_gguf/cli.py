@@ -21,6 +21,7 @@ COMMANDS = {
     "inspect": ("nbl_gguf.commands.inspect", "show the NBL layer map, scores and tensors of a GGUF"),
     "bench": ("nbl_gguf.commands.bench", "speed and memory of NBL GGUFs against stock with llama-bench"),
     "eval": ("nbl_gguf.commands.eval", "perplexity and multiple-choice accuracy with llama-perplexity"),
+    "soak": ("nbl_gguf.commands.soak", "llama-server with an NBL GGUF under concurrent clients: same answers, flat memory"),
 }
 
 

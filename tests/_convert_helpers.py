@@ -13,15 +13,8 @@ def convert_args(**overrides) -> argparse.Namespace:
     the default) and no held-out perplexity unless overridden."""
     from nbl_gguf.commands import convert
 
-    parser = argparse.ArgumentParser()
-    convert.add_arguments(parser)
-    args = parser.parse_args([])
-    args.no_progress = True
-    args.nsamples, args.seqlen, args.device = 8, 64, "cpu"
-    args.criterion, args.no_eval, args.taps = "cca", True, 1
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
+    return convert.options(**(dict(no_progress=True, nsamples=8, seqlen=64, device="cpu", criterion="cca",
+                                   no_eval=True, taps=1) | overrides))
 
 
 def calibrate_for_convert(directory: Path, model, args: argparse.Namespace) -> Path:

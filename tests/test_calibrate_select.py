@@ -447,8 +447,7 @@ def test_sweep_best_rows_repeat_the_choice_of_calibrate(checkpoint, tmp_path):
     for criterion, entry in recorded["heldout"]["compared"].items():
         assert cached[criterion][0] == entry["layers"]
         assert cached[criterion][1] == pytest.approx(entry["ppl_increase_pct"], abs=1e-6)
-    args = argparse.Namespace(criterion="best", m=[2], methods=["attn-nbl"], extra_criteria=[], criteria_m=0)
-    main, _ = sweep.build_configs(art, args, art.num_layers, choices)
+    main, _ = sweep.build_configs(art, [2], ["attn-nbl"], "best", best=choices)
     labels = [config.label for config in main]
     chosen = recorded["chosen"]
     assert labels[1] == f"Attn NBL-2 (best: {chosen} layers)" and main[1].layers == recorded["layers"]

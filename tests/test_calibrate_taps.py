@@ -172,7 +172,7 @@ def test_channel_fit_recovers_per_channel_taps_and_never_loses_to_the_per_token_
 @pytest.mark.parametrize("form", ["full", "lowrank", "channel"])
 def test_the_solve_of_moments_on_a_gpu_equals_the_cpu_one(form):
     """The calibrator keeps a layer's statistics on its device; a solve of CUDA moments once failed
-    handing its tensors to numpy (found on the H200 by scripts/bench_taps_layer.py --device cuda)."""
+    handing its tensors to numpy (found on the H200 by docs/results/experiments/bench_taps_layer.py --device cuda)."""
     x, g = windows(seed=4)
     y = torch.randn(x.shape, generator=g, dtype=torch.float64) + x @ torch.randn(D, D, generator=g, dtype=torch.float64)
     fits = []

@@ -189,3 +189,25 @@ def test_save_calibration_means_nothing_with_a_calibration(tmp_path):
         convert(convert_args(calibration="cal", save_calibration=str(tmp_path / "keep"),
                              output=str(tmp_path / "out.gguf")))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_options_and_their_command_line_agree():
+    """bench and the frontier call convert.convert with convert.options(...) and record
+    convert.command_line(...) as how the file was made: that line, parsed by convert's own parser, gives
+    the same options; a name convert does not take is refused."""
+    import shlex
+
+    from nbl_gguf.commands import convert
+
+    given = dict(model="dir with space", m=8, quant="q4_k_m", taps=4, no_eval=True, output="out/nbl.gguf", seed=3,
+                 threads=2, nsamples=16, save_calibration="cal", windows=2)
+    options = convert.options(**given)
+    assert {name: getattr(options, name) for name in given} == given
+    words = shlex.split(convert.command_line(options))
+    assert words[:4] == ["python", "-m", "nbl_gguf", "convert"]
+    parser = argparse.ArgumentParser()
+    convert.add_arguments(parser)
+    assert vars(parser.parse_args(words[4:])) == vars(options)
+    assert vars(convert.options()) == vars(parser.parse_args([]))
+    with pytest.raises(TypeError, match="no option bogus"):
+        convert.options(bogus=1)

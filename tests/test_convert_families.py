@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from _convert_helpers import calibrate_for_convert, convert_args
-from _family_helpers import FAMILIES, N_LAYER, random_family_model, sentencepiece_model, tiny_family_model
+from _family_helpers import FAMILIES, N_LAYER, sentencepiece_model, tiny_family_model
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
 from nbl_gguf.llamacpp.tools import bin_dir, source_dir

@@ -204,3 +204,22 @@ def test_the_cli_reaches_the_commands_only():
     with_run = {m for m, path in module_files(ROOT).items() if m.startswith("nbl_gguf.commands.")
                 and any(line.startswith("def run(") for line in path.read_text(encoding="utf-8").splitlines())}
     assert with_run == modules
+
+
+def test_only_the_commands_parse_arguments():
+    """argparse is the commands' (and the CLI's): a stage takes typed settings or plain parameters, never
+    an argparse namespace, so no stage imports argparse or names a parameter ``args`` unless it is a
+    list of command-line words (annotated) or ``*args``."""
+    offenders = []
+    for module, path in module_files(ROOT).items():
+        if not module.startswith(STAGES):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if "argparse" in _imported_names(tree, module, path.name == "__init__.py"):
+            offenders.append(f"{module} imports argparse")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                    if arg.arg == "args" and arg.annotation is None:
+                        offenders.append(f"{module}.{node.name} takes an untyped args")
+    assert offenders == []

@@ -1,4 +1,4 @@
-"""The server soak (nbl_gguf/measurement/soak.py) for 30 s, on a tiny NBL GGUF: 8 concurrent greedy clients,
+"""The server soak (`python -m nbl_gguf soak`, nbl_gguf/measurement/soak.py) for 30 s, on a tiny NBL GGUF: 8 concurrent greedy clients,
 0 failed requests, every response equal to the single-client reference, prompts served from the
 cache, and the server's memory flat after the warm-up. (The committed 5-minute run on the embedded
 SmolLM2 is in docs/results/soak.md; converting that model would take minutes here.)"""
@@ -30,10 +30,10 @@ def test_soak_30_seconds(tmp_path):
     # with an F16 cache the flash-attention paths round differently enough to flip this random model's
     # near-ties; in F32 what is left is summation order. One thread: on a busy 2-core machine a second
     # one mostly waits at barriers.
-    command = [sys.executable, "-m", "nbl_gguf.measurement.soak", "--model", str(path), "--duration", "30",
+    command = [sys.executable, "-m", "nbl_gguf", "soak", "--model", str(path), "--duration", "30",
                "--warmup", "10", "--clients", "8", "--max-requests", "5000", "--prompt-scale", "0.25",
                "--ctx-per-slot", "1024", "--threads", "1", "--server-arg=-ctk", "--server-arg=f32",
-               "--server-arg=-ctv", "--server-arg=f32", "--json", str(out)]
+               "--server-arg=-ctv", "--server-arg=f32", "-o", str(out)]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert out.is_file(), completed.stdout + completed.stderr
     result = json.loads(out.read_text())

@@ -278,7 +278,7 @@ def test_taps_are_refused_for_a_graph_without_them(tmp_path):
     ("llama", "nbl", "attn-nbl", 4096, "cpu", 1), ("llama", "nbl", "attn-nbl", 4096, "cuda", DEFAULT_TAPS)])
 def test_taps_auto_is_the_default_where_the_file_can_carry_taps_layers(family, runtime, method, hidden, device, expected,
                                                                       tmp_path):
-    from nbl_gguf.gguf.from_artifact import check_taps
+    from nbl_gguf.gguf.from_artifact import TapsRequest, check_taps
 
     folder = tmp_path / family
     folder.mkdir()
@@ -290,15 +290,14 @@ def test_taps_auto_is_the_default_where_the_file_can_carry_taps_layers(family, r
         def hf_folder(self):
             return folder
 
-    args = argparse.Namespace(taps="auto", runtime=runtime)
-    assert check_taps(args, Source(), method, hidden, device) == expected
+    assert check_taps(TapsRequest("auto", runtime=runtime), Source(), method, hidden, device) == expected
 
 
 def test_taps_need_more_fit_tokens_than_stacked_inputs(tmp_path):
     """K taps of width d stack K x d inputs: auto keeps per-token maps below that many fit tokens, and
     an explicit --taps K is refused before any work (not at layer 0 of the calibration)."""
     from nbl_gguf.commands.convert import convert
-    from nbl_gguf.gguf.from_artifact import check_taps
+    from nbl_gguf.gguf.from_artifact import TapsRequest, check_taps
 
     folder = tmp_path / "llama"
     folder.mkdir()
@@ -311,9 +310,7 @@ def test_taps_need_more_fit_tokens_than_stacked_inputs(tmp_path):
             return folder
 
     def resolved(taps, nsamples, seqlen=256):
-        args = argparse.Namespace(taps=taps, runtime="nbl", nsamples=nsamples, seqlen=seqlen, method="attn-nbl",
-                                  taps_rank=None, calibration=None)
-        return check_taps(args, Source(), "attn-nbl", 576, "cpu")
+        return check_taps(TapsRequest(taps, nsamples=nsamples, seqlen=seqlen), Source(), "attn-nbl", 576, "cpu")
 
     assert resolved("auto", 8) == 1  # 2048 tokens for 4 x 576 = 2304 inputs
     assert resolved("auto", 10) == DEFAULT_TAPS  # 2560

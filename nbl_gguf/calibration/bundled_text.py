@@ -2,7 +2,7 @@
 documentation) and source code (Python standard library modules), from Debian bookworm's packages.
 
     apt-get download python3.11-doc=3.11.2-6+deb12u9 libpython3.11-stdlib=3.11.2-6+deb12u9
-    python -m nbl_gguf.calibration.bundled_text --doc-deb python3.11-doc_3.11.2-6+deb12u9_all.deb \\
+    .venv/bin/python scripts/make_heldout_texts.py --doc-deb python3.11-doc_3.11.2-6+deb12u9_all.deb \\
         --stdlib-deb libpython3.11-stdlib_3.11.2-6+deb12u9_amd64.deb
 
 Without --doc-deb/--stdlib-deb it runs that `apt-get download` into a temporary folder. It reads the
@@ -19,7 +19,6 @@ perplexity), so the two never share a document.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -191,36 +190,28 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--doc-deb", type=Path, help=f"python3.11-doc_{VERSION}_all.deb")
-    parser.add_argument("--stdlib-deb", type=Path, help=f"libpython3.11-stdlib_{VERSION}_amd64.deb")
-    parser.add_argument("--doc-chars", type=int, default=4000, help="most characters kept of one page or module")
-    parser.add_argument("--budget", type=int, default=130_000, help="characters of each kind, both parts together")
-    parser.add_argument("-o", "--output", type=Path, default=DATA)
-    args = parser.parse_args(argv)
+def build(output: Path = DATA, doc_deb: Path | None = None, stdlib_deb: Path | None = None, doc_chars: int = 4000,
+          budget: int = 130_000) -> None:
+    """Write python-docs.json, python-code.json and PSF-LICENSE.txt into ``output`` from the two Debian
+    packages (downloaded with apt-get where not both given): at most ``doc_chars`` characters of one page
+    or module, ``budget`` characters of each kind (both parts together)."""
     with tempfile.TemporaryDirectory() as tmp:
-        debs = {"doc": args.doc_deb, "stdlib": args.stdlib_deb}
+        debs = {"doc": doc_deb, "stdlib": stdlib_deb}
         if not all(debs.values()):
             debs = download(Path(tmp))
         for kind, deb in debs.items():
             print(f"{deb.name}: sha256 {sha256(deb.read_bytes())}", file=sys.stderr)
         docs, stdlib = deb_members(debs["doc"]), deb_members(debs["stdlib"])
     outputs = {
-        "python-docs.json": alternate(prose_documents(docs, args.doc_chars), args.budget),
-        "python-code.json": alternate(code_documents(stdlib, args.doc_chars), args.budget),
+        "python-docs.json": alternate(prose_documents(docs, doc_chars), budget),
+        "python-code.json": alternate(code_documents(stdlib, doc_chars), budget),
     }
     for name, documents in outputs.items():
         blob = (json.dumps(documents, ensure_ascii=False, indent=0) + "\n").encode("utf-8")
-        (args.output / name).write_bytes(blob)
+        (output / name).write_bytes(blob)
         parts = {part: sum(len(d["text"]) for d in documents if d["part"] == part) for part in ("selection", "evaluation")}
         print(f"{name}: {len(documents)} documents, {parts['selection']:,} + {parts['evaluation']:,} characters, "
               f"{len(blob):,} bytes, sha256 {sha256(blob)}", file=sys.stderr)
     license_text = stdlib[STDLIB_ROOT + "LICENSE.txt"]
-    (args.output / "PSF-LICENSE.txt").write_bytes(license_text)
+    (output / "PSF-LICENSE.txt").write_bytes(license_text)
     print(f"PSF-LICENSE.txt: {len(license_text):,} bytes, sha256 {sha256(license_text)}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

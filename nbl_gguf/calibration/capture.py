@@ -35,17 +35,17 @@ def capture_activations(model, adapter: ModelAdapter, on_attention: AttentionCal
             continue
         slot: dict[str, torch.Tensor] = {}
 
-        def layer_pre(module, args, kwargs, slot=slot):
-            slot["h"] = args[0] if args else kwargs["hidden_states"]
+        def layer_pre(module, inputs, kwargs, slot=slot):
+            slot["h"] = inputs[0] if inputs else kwargs["hidden_states"]
 
-        def norm_hook(module, args, output, slot=slot):
+        def norm_hook(module, inputs, output, slot=slot):
             slot["x"] = _first(output)
 
-        def attn_hook(module, args, output, index=index, slot=slot):
+        def attn_hook(module, inputs, output, index=index, slot=slot):
             if on_attention is not None:
                 on_attention(index, slot["h"], slot["x"], _first(output))
 
-        def layer_hook(module, args, kwargs, output, index=index, slot=slot):
+        def layer_hook(module, inputs, kwargs, output, index=index, slot=slot):
             if on_block is not None:
                 on_block(index, slot["h"], _first(output))
             slot.clear()  # let the batch's activations be freed

@@ -17,9 +17,12 @@ import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from nbl_gguf.errors import NblError
+
+if TYPE_CHECKING:
+    from nbl_gguf.calibration.settings import Settings
 
 BUNDLED_NAME = "c4-sample.json"
 CALIBRATION_DOCS = 256  # the rest of the bundled sample is held out for perplexity
@@ -346,9 +349,9 @@ def load_calibration(tokenizer, dataset: str | None, nsamples: int, seqlen: int,
                          name=name)
 
 
-def load_windows(args, stream, needs_heldout: bool, nsamples: int):
+def load_windows(settings: Settings, stream, needs_heldout: bool, nsamples: int):
     """(calibration windows, held-out windows or None, what the held-out windows are made of or None)
-    for calibration.settings.Settings ``args``, cut with the tokenizer of ``stream`` (a LayerStream).
+    for calibration.settings.Settings ``settings``, cut with the tokenizer of ``stream`` (a LayerStream).
     The held-out windows follow --selection-text: the calibration text's windows after the fit
     windows, then those of each bundled kind's selection part."""
     import torch
@@ -358,34 +361,34 @@ def load_windows(args, stream, needs_heldout: bool, nsamples: int):
 
     counts = {}
     if needs_heldout:
-        seqlen = effective_seqlen(args.seqlen, models.max_context(stream.config))
-        total = args.selection_windows or -(-DEFAULT_SELECTION_TOKENS // seqlen)
-        counts = mix_windows(parse_selection_text(args.selection_text), total)
+        seqlen = effective_seqlen(settings.seqlen, models.max_context(stream.config))
+        total = settings.selection_windows or -(-DEFAULT_SELECTION_TOKENS // seqlen)
+        counts = mix_windows(parse_selection_text(settings.selection_text), total)
     held = counts.get(CALIBRATION_KIND, 0)
-    calib = load_calibration(stream.tokenizer, args.dataset, nsamples + held, args.seqlen,
-                                     config=args.dataset_config, split=args.split, field=args.text_field,
+    calib = load_calibration(stream.tokenizer, settings.dataset, nsamples + held, settings.seqlen,
+                                     config=settings.dataset_config, split=settings.split, field=settings.text_field,
                                      max_positions=models.max_context(stream.config))
     parts = []
     if held:
         if calib.nsamples <= held:
             asked = (f"--selection-windows {held}" if held == sum(counts.values()) else
                      f"{held} of --selection-windows {sum(counts.values())} (its share in --selection-text "
-                     f"{args.selection_text})")
-            raise NblError(f"{args.dataset or DEFAULT_DATASET} gives {calib.nsamples} windows of {calib.seqlen} "
+                     f"{settings.selection_text})")
+            raise NblError(f"{settings.dataset or DEFAULT_DATASET} gives {calib.nsamples} windows of {calib.seqlen} "
                            f"tokens: too few to hold out {asked} for layer selection and still fit (use more text, a "
                            f"shorter --seqlen or fewer --selection-windows; or a fixed --m with --criterion cosine, "
                            f"which needs none)")
         calib, own = calib.split_last(held)
         parts.append(own)
     if calib.nsamples < nsamples:
-        print(f"note: {args.dataset or DEFAULT_DATASET} gives {calib.nsamples} windows of {calib.seqlen} tokens "
+        print(f"note: {settings.dataset or DEFAULT_DATASET} gives {calib.nsamples} windows of {calib.seqlen} tokens "
               f"for the fit, fewer than the {nsamples} requested; calibrating on {calib.tokens} tokens", file=sys.stderr)
     if calib.tokens <= stream.hidden_size:
         raise NblError(f"only {calib.tokens} calibration tokens for hidden size {stream.hidden_size}; need more than "
                        f"{stream.hidden_size} (raise --nsamples/--seqlen or use more text)")
-    stacked = args.taps * stream.hidden_size  # a taps map's inputs: the token's and its taps - 1 predecessors'
-    if args.taps > 1 and calib.tokens <= stacked:
-        raise NblError(f"only {calib.tokens} calibration tokens for --taps {args.taps}, which stacks {args.taps} x "
+    stacked = settings.taps * stream.hidden_size  # a taps map's inputs: the token's and its taps - 1 predecessors'
+    if settings.taps > 1 and calib.tokens <= stacked:
+        raise NblError(f"only {calib.tokens} calibration tokens for --taps {settings.taps}, which stacks {settings.taps} x "
                        f"{stream.hidden_size} = {stacked} inputs a layer; need more than {stacked} (raise "
                        f"--nsamples/--seqlen, or use --taps 1)")
     if not counts:
@@ -394,7 +397,7 @@ def load_windows(args, stream, needs_heldout: bool, nsamples: int):
         stream.tokenizer, {kind: n for kind, n in counts.items() if kind != CALIBRATION_KIND}, calib.seqlen)
     if bundled.shape[0]:
         parts.append(bundled)
-    composition = {"selection_text": args.selection_text,
+    composition = {"selection_text": settings.selection_text,
                    "windows": {kind: n for kind, n in counts.items() if n},
-                   "calibration_text": args.dataset or DEFAULT_DATASET, "bundled": kinds}
+                   "calibration_text": settings.dataset or DEFAULT_DATASET, "bundled": kinds}
     return calib, torch.cat(parts), composition

@@ -26,7 +26,7 @@ class HiddenPlan:
 def taps_bytes(d: int, taps: int) -> int:
     """Memory of one layer's taps statistics (float64 sums over the K d stacked inputs) and their solve
     ((K-1) d square float64 matrices: 6 to 7.4 of them at the peak, measured by
-    scripts/bench_taps_layer.py at d 1024 and 2048 on a CPU and 4096 on an H200); 0 without taps."""
+    docs/results/experiments/bench_taps_layer.py at d 1024 and 2048 on a CPU and 4096 on an H200); 0 without taps."""
     if taps < 2:
         return 0
     stacked = taps * d

@@ -50,45 +50,44 @@ def default_m(num_layers: int) -> int:
     return max(0, min(DEFAULT_M, num_layers - 1))
 
 
-def check_arguments(args) -> tuple[tuple[str, ...], int | None, float | None, bool]:
+def check_arguments(settings: Settings) -> tuple[tuple[str, ...], int | None, float | None, bool]:
     """(targets, m or None, budget or None, whether the selection needs held-out windows): every check
     that needs no model, so that a typo costs nothing."""
-    targets = parse_targets(args.targets)
-    m_fixed, budget = selection_budget(args.m, args.max_ppl_increase)
-    needs_heldout = args.m == "auto" or args.criterion in ("greedy", "best")
-    if needs_heldout and args.method == "block-nbl":
+    targets = parse_targets(settings.targets)
+    m_fixed, budget = selection_budget(settings.m, settings.max_ppl_increase)
+    needs_heldout = settings.m == "auto" or settings.criterion in ("greedy", "best")
+    if needs_heldout and settings.method == "block-nbl":
         raise NblError("--m auto and --criterion greedy/best replace attention layers: use --method attn-nbl or "
                        "attn-drop, or a fixed --m with --criterion cosine, nmse or cca")
-    if needs_heldout and args.selection_windows is not None and args.selection_windows < 1:
-        raise NblError(f"--selection-windows must be at least 1, got {args.selection_windows}")
+    if needs_heldout and settings.selection_windows is not None and settings.selection_windows < 1:
+        raise NblError(f"--selection-windows must be at least 1, got {settings.selection_windows}")
     from nbl_gguf.calibration.artifact import METHOD_TARGET
 
-    if METHOD_TARGET[args.method] not in targets:
-        raise NblError(f"--method {args.method} needs the block statistics: use --targets attn,block")
-    if args.memory_budget is not None and args.memory_budget <= 0:
-        raise NblError(f"--memory-budget must be a positive number of GiB, got {args.memory_budget:g}")
-    check_taps(args)
+    if METHOD_TARGET[settings.method] not in targets:
+        raise NblError(f"--method {settings.method} needs the block statistics: use --targets attn,block")
+    if settings.memory_budget is not None and settings.memory_budget <= 0:
+        raise NblError(f"--memory-budget must be a positive number of GiB, got {settings.memory_budget:g}")
+    check_taps(settings.taps, settings.taps_rank, settings.method)
     return targets, m_fixed, budget, needs_heldout
 
 
-def check_taps(args) -> None:
+def check_taps(taps: int, taps_rank: int | None, method: str) -> None:
     """--taps K (and --taps-rank): past-token maps of the attention of attn-nbl."""
-    if args.taps < 1:
-        raise NblError(f"--taps must be at least 1 (1: today's per-token maps), got {args.taps}")
-    if args.taps > MAX_TAPS:
-        raise NblError(f"--taps {args.taps}: a taps layer reads at most {MAX_TAPS} tokens")
-    if args.taps_rank is not None and args.taps_rank < 1:
-        raise NblError(f"--taps-rank must be at least 1, got {args.taps_rank}")
-    if args.taps > 1:
-        if args.method != "attn-nbl":
-            raise NblError(f"--taps {args.taps} fits past-token maps of the attention: it goes with --method attn-nbl, "
-                           f"not {args.method}")
+    if taps < 1:
+        raise NblError(f"--taps must be at least 1 (1: today's per-token maps), got {taps}")
+    if taps > MAX_TAPS:
+        raise NblError(f"--taps {taps}: a taps layer reads at most {MAX_TAPS} tokens")
+    if taps_rank is not None and taps_rank < 1:
+        raise NblError(f"--taps-rank must be at least 1, got {taps_rank}")
+    if taps > 1 and method != "attn-nbl":
+        raise NblError(f"--taps {taps} fits past-token maps of the attention: it goes with --method attn-nbl, "
+                       f"not {method}")
 
 
-def memory_budget_bytes(args) -> int:
+def memory_budget_bytes(settings: Settings) -> int:
     """--memory-budget, or half of the memory available now."""
-    if args.memory_budget is not None:
-        return int(args.memory_budget * 2**30)
+    if settings.memory_budget is not None:
+        return int(settings.memory_budget * 2**30)
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         for line in Path("/proc/meminfo").read_text().splitlines():

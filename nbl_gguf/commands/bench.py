@@ -21,7 +21,7 @@ from pathlib import Path
 from nbl_gguf.commands import flags, frontier
 from nbl_gguf.commands.model_files import nbl_by_convert, resolve_model_dir, stock_ladder, work_dir
 from nbl_gguf.errors import NblError
-from nbl_gguf.measurement.bench import Candidate, ModelSet, check_models, measure
+from nbl_gguf.measurement.bench import BenchSettings, Candidate, ModelSet, check_models, measure
 from nbl_gguf.model_source import is_gguf_file
 
 DEFAULT_DEPTHS = (0, 2048, 8192, 32768)
@@ -231,7 +231,7 @@ def embedded_models(args, log) -> ModelSet:
     stock = stock_ladder(model_dir, [quant], directory, args.threads, log)[quant]
     commands.append(f"convert_hf_to_gguf.py {model_dir} --outtype f32 && llama-quantize ... {quant}  -> {stock}")
 
-    nbl, converts = nbl_by_convert(args, str(model_dir), directory, f"-{quant.lower()}", ["--quant", quant], log)
+    nbl, converts = nbl_by_convert(args, str(model_dir), directory, f"-{quant.lower()}", {"quant": quant}, log)
     return ModelSet(model_dir.name, quant, Candidate("stock", stock), nbl,
                     hf={"kind": "folder", "path": str(model_dir)}, commands=commands + converts)
 
@@ -250,7 +250,7 @@ def gguf_models(args, log) -> ModelSet:
     # keyed by content: another file of the same name must not reuse these NBL files
     directory = work_dir(args) / "models" / "gguf" / model.sha256[:16] / model.path.stem
     directory.mkdir(parents=True, exist_ok=True)
-    nbl, commands = nbl_by_convert(args, str(model.path), directory, "", [], log)
+    nbl, commands = nbl_by_convert(args, str(model.path), directory, "", {}, log)
     hf = {"kind": "folder", "path": str(source.hf_folder())} if args.hf_compare else {}
     return ModelSet(model.path.stem, model.file_type, Candidate("stock", model.path), nbl, hf=hf,
                     commands=[f"{model.path} as given (the stock side)"] + commands)
@@ -291,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
         + ", ".join(c.label for c in models.all()) + f"; depths {args.depths}, -p {args.n_prompt} -n {args.n_gen}, "
         f"{args.rounds} rounds x {args.repetitions} repetitions")
     started = time.monotonic()
-    measurements, commands = measure(models, backends, args, log)
+    settings = bench_settings(args)
+    measurements, commands = measure(models, backends, settings, log)
     rows = speedup_table(measurements, costs, args.cache_type)
     kv_rows = kv_table(measurements, costs, args.cache_type)
 
@@ -299,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
     if args.hf_compare:
         from nbl_gguf.measurement import hf_compare
 
-        hf = hf_compare.compare(models, measurements, args, log)
+        hf = hf_compare.compare(models, measurements, settings,
+                                hf_compare.HfSettings(device=args.device, dtype=args.dtype, seed=args.seed), log)
 
     title = f"NBL vs stock llama.cpp: {models.name} {models.quant}"
     result = record(args, title, models, backends, devices, commands, rows, kv_rows, hf, measurements,
@@ -307,6 +309,12 @@ def run(args: argparse.Namespace) -> int:
     written = write_outputs(out, result, rows, kv_rows, measurements, not args.no_plot, title)
     print(format_summary(title, rows, kv_rows, hf, written))
     return 0
+
+
+def bench_settings(args) -> BenchSettings:
+    return BenchSettings(n_prompt=args.n_prompt, n_gen=args.n_gen, depths=tuple(args.depths),
+                         repetitions=args.repetitions, rounds=args.rounds, threads=args.threads,
+                         cache_type=args.cache_type, bench_args=args.bench_args)
 
 
 def record(args, title, models, backends, devices, commands, rows, kv_rows, hf, measurements, elapsed_s) -> dict:

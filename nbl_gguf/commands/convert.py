@@ -28,9 +28,9 @@ from nbl_gguf.calibration.settings import Settings, selection_budget
 from nbl_gguf.commands import flags
 from nbl_gguf.commands.convert_summary import Summary, resources_table
 from nbl_gguf.errors import NblError
-from nbl_gguf.gguf.from_artifact import (RUNTIMES, check_method, check_stock_runtime, check_taps, chosen_layers,
-                                         gguf_notes, linear_map, provenance, recorded_scores,
-                                         taps_maps, weight_notes, writer)
+from nbl_gguf.gguf.from_artifact import (RUNTIMES, LayerChoice, TapsRequest, check_method, check_stock_runtime,
+                                         check_taps, chosen_layers, gguf_notes, linear_map, provenance,
+                                         recorded_scores, taps_maps, weight_notes, writer)
 from nbl_gguf.gguf.quantize import FLOAT_TYPES, check_quant
 from nbl_gguf.outputs import check_output_dir, check_output_file
 from nbl_gguf.usage import StageMeter
@@ -118,6 +118,11 @@ def resolve_source(args):
         raise NblError(f"--intermediate {args.intermediate} means nothing for a GGUF --model: no stock conversion is "
                        f"made (the NBL file is {Path(args.model).name} itself with the replaced attention swapped)")
     return resolve_model(args.model, runnable=nbl_format.SUPPORTED_ARCHITECTURES, calibrating=not args.calibration)
+
+
+def layer_choice(args, m=None) -> LayerChoice:
+    """--m (or ``m``), --criterion and --max-ppl-increase, for from_artifact.chosen_layers."""
+    return LayerChoice(args.m if m is None else m, args.criterion, args.max_ppl_increase)
 
 
 def calibration_settings(args, directory: Path, model, taps: int) -> Settings:
@@ -227,7 +232,9 @@ def convert(args) -> Summary:
         device = models.resolve_device(args.device)
     else:
         device = "cpu"  # not asked: the count is given, or the artifact's
-    taps = check_taps(args, source, method, hidden, device)
+    taps = check_taps(TapsRequest(args.taps, runtime=args.runtime, taps_rank=args.taps_rank, nsamples=args.nsamples,
+                                  seqlen=args.seqlen, from_artifact=bool(args.calibration)),
+                      source, method, hidden, device)
     if source.gguf is None:
         check_conversion_space(source.hf_folder(), intermediate_type(args, quant, source.hf_folder()),
                                output.resolve().parent, quantized=quant not in FLOAT_TYPES)
@@ -284,7 +291,7 @@ def convert(args) -> Summary:
             artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
             if artifact_hidden is not None and int(artifact_hidden) != hidden:
                 raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
-            selected = chosen_layers(artifact, args, method, n_layer, taps)
+            selected = chosen_layers(artifact, layer_choice(args), method, n_layer, taps)
             layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
         if not args.calibration:
             # the calibration's own stages, measured inside it (layers, selection, ...)
@@ -556,7 +563,7 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     # the order the layers join in as m grows, as the normal path chooses them (each m's set holds the last's)
     order: list[int] = []
     for m in range(1, budget.most_layers + 1):
-        layers = chosen_layers(artifact, argparse.Namespace(**(vars(args) | {"m": m})), method, n_layer, taps)
+        layers = chosen_layers(artifact, layer_choice(args, m), method, n_layer, taps)
         order += sorted(set(layers) - set(order))
     window_order = budget_window_order(args, source, n_layer, budget.eval_ctx)
     window = (args.window_size, args.window_sinks)
@@ -618,6 +625,45 @@ def _default_permissions(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nbl_gguf convert")
+    add_arguments(parser)
+    return parser
+
+
+def options(**values) -> argparse.Namespace:
+    """convert's options as its parser gives them, with ``values`` (by option name, typed as the parser
+    types them) instead: for the commands that convert without a command line of their own (bench, the
+    frontier). A name convert does not take is an error."""
+    args = _parser().parse_args([])
+    unknown = sorted(set(values) - set(vars(args)))
+    if unknown:
+        raise TypeError(f"convert takes no option {', '.join(unknown)}")
+    for name, value in values.items():
+        setattr(args, name, value)
+    return args
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The `python -m nbl_gguf convert ...` that gives ``args`` (a shell's words): each option that differs
+    from its default."""
+    import shlex
+
+    words = []
+    for action in _parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            words.append(flag)
+        else:
+            words += [flag, *(map(str, value) if isinstance(value, (list, tuple)) else [str(value)])]
+    return " ".join(["python -m nbl_gguf convert", *map(shlex.quote, words)])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -116,7 +116,7 @@ def run_files(args: argparse.Namespace) -> int:
     from nbl_gguf.calibration.dataset import write_heldout_text
     from nbl_gguf.gguf.metadata import open_model_gguf
     from nbl_gguf.measurement.perplexity import evaluate, format_results
-    from nbl_gguf.measurement.tasks import _task_files, check_text
+    from nbl_gguf.measurement.tasks import check_task_files, check_text
     from nbl_gguf.outputs import check_output_file
 
     if not args.models:
@@ -125,7 +125,7 @@ def run_files(args: argparse.Namespace) -> int:
         open_model_gguf(model)  # missing, truncated, not a GGUF: said here, not by llama-perplexity's log
     if args.output:
         check_output_file(args.output, "-o")
-    task_files = _task_files(args)
+    task_files = check_task_files(flags.task_files(args))
     if args.no_ppl and not task_files:
         raise NblError("nothing to evaluate: --no-ppl and no task file")
     results = []

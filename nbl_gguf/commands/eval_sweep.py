@@ -12,9 +12,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from nbl_gguf.commands import flags
 from nbl_gguf.errors import NblError
 from nbl_gguf.measurement.sweep import (DEFAULT_QUANTS, Cache, Config, GgufFactory, _file_sha, _log, _sha, bench_pair,
-                                        best_choices, build_configs, get_calibration)
+                                        best_choices, build_configs)
 from nbl_gguf.measurement.sweep_report import collect_rows, plot, write_csv, write_markdown
 
 
@@ -27,7 +28,7 @@ def run_sweep(args) -> int:
     from nbl_gguf.gguf.metadata import kv_bytes_per_token
     from nbl_gguf.model_source import is_gguf_file, resolve_model
     from nbl_gguf.measurement.perplexity import evaluate
-    from nbl_gguf.measurement.tasks import _task_files, check_text
+    from nbl_gguf.measurement.tasks import check_task_files, check_text
     from nbl_gguf.calibration.dataset import write_heldout_text
     from nbl_gguf.measurement.torch_ppl import llama_tokens, prompt_text
 
@@ -51,7 +52,7 @@ def run_sweep(args) -> int:
     for m in list(args.m) + ([args.criteria_m] if args.criteria_m else []):
         if not 0 < m <= n_layer:
             raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
-    task_files = _task_files(args)
+    task_files = check_task_files(flags.task_files(args))
     # absolute: the pinned converter runs in its own directory (hf_to_gguf passes paths through)
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -75,7 +76,8 @@ def run_sweep(args) -> int:
     best = None
     if args.criterion == "best":
         best = best_choices(artifact, source, args.methods, sorted(set(args.m)), cache, calib_tag)
-    main, criteria = build_configs(artifact, args, n_layer, best)
+    main, criteria = build_configs(artifact, args.m, args.methods, args.criterion, args.extra_criteria,
+                                   args.criteria_m, best)
     text_tag = _file_sha(text_file) if text_file else "none"
     task_tag = _sha(json.dumps({t: [_file_sha(p), n] for t, (p, n) in task_files.items()}).encode())
     eval_tag = f"{text_tag}-c{args.ctx_size}-k{args.chunks}-{task_tag}"
@@ -193,3 +195,35 @@ def _cpu_count() -> int:
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def get_calibration(args, source, work: Path):
+    """--calibration, or the calibration this sweep made before in ``work`` with the same settings, or a new one."""
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.calibration.calibrate import calibrate
+    from nbl_gguf.calibration.report import describe_artifact
+    from nbl_gguf.calibration.settings import Settings
+
+    if args.calibration:
+        if not Path(args.calibration).is_dir():
+            raise NblError(f"--calibration {args.calibration}: no such artifact directory")
+        return load_artifact(args.calibration)
+    model_dir = source.hf_folder()
+    target = work / f"calibration-{args.nsamples}x{args.seqlen}"
+    # Block NBL rows need the block maps too
+    targets = ("attn", "block") if "block-nbl" in args.methods else ("attn",)
+    if target.is_dir():
+        artifact = load_artifact(target)
+        data = artifact.report.get("data", {})
+        if (data.get("nsamples_requested") == args.nsamples and data.get("seqlen") == args.seqlen
+                and Path(artifact.report["model"].get("path", "")).resolve() == model_dir.resolve()
+                and set(targets) <= set(artifact.targets)):
+            _log(f"reusing calibration {target}")
+            return artifact
+    _log(f"calibrating {model_dir.name}: {args.nsamples} x {args.seqlen} tokens -> {target}")
+    settings = Settings(model=str(model_dir), nsamples=args.nsamples, seqlen=args.seqlen, criterion="cosine",
+                        targets=",".join(targets), output=str(target), device=args.device, dtype=args.dtype,
+                        threads=args.threads, no_progress=args.no_progress)
+    artifact = load_artifact(calibrate(settings))
+    print(describe_artifact(artifact))
+    return artifact

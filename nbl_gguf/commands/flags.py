@@ -252,3 +252,10 @@ def explicitly_given(parser: argparse.ArgumentParser, args, title: str | None = 
     return [action.option_strings[0] for action in actions
             if action.option_strings and action.dest != "help"
             and getattr(args, action.dest, action.default) != action.default]
+
+
+def task_files(args) -> dict[str, tuple[str | None, int | None]]:
+    """eval's --hellaswag/--winogrande/--multiple-choice files and their --*-tasks counts, by task name
+    (measurement.tasks.check_task_files)."""
+    return {"hellaswag": (args.hellaswag, args.hellaswag_tasks), "winogrande": (args.winogrande, args.winogrande_tasks),
+            "multiple-choice": (args.multiple_choice, args.multiple_choice_tasks)}

@@ -108,7 +108,7 @@ class StockSide:
     made: list[str]  # how the files were made
     notes: list[str]
     convert_model: str  # what `convert --model` takes to make the NBL files of this model
-    convert_extra: list[str]  # and its other flags for them
+    convert_extra: dict  # and its other options for them ({name: value}, convert.options)
     suffix: str  # of the NBL files' names
 
 
@@ -143,7 +143,7 @@ def gguf_side(args, log) -> StockSide:
                 quantize(stock, knobs[q], q, threads=args.threads, extra_args=["--allow-requantize"])
             made.append(f"llama-quantize --allow-requantize {stock.name} {knobs[q].name} {q}")
     return StockSide(source, name, quant, gguf_file.n_layer, gguf_file.n_embd, directory, stock, knobs, made, notes,
-                     convert_model=str(stock), convert_extra=[], suffix="")
+                     convert_model=str(stock), convert_extra={}, suffix="")
 
 
 def hf_side(args, log) -> StockSide:
@@ -165,7 +165,7 @@ def hf_side(args, log) -> StockSide:
     made = [f"convert_hf_to_gguf.py {model_dir} --outtype f32 && llama-quantize ... {', '.join(ladder)} (one file each)"]
     return StockSide(resolve_model(str(model_dir)), name, quant, n_layer, hidden, directory, ladder[quant],
                      {q: ladder[q] for q in (down, up) if q}, made, [],
-                     convert_model=str(model_dir), convert_extra=["--quant", quant], suffix=f"-{quant.lower()}")
+                     convert_model=str(model_dir), convert_extra={"quant": quant}, suffix=f"-{quant.lower()}")
 
 
 def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
@@ -209,7 +209,7 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
         kind = f"taps{k}" if k > 1 else "per-token"
         (directory / kind).mkdir(exist_ok=True)
         nbl, commands = nbl_by_convert(nbl_args, side.convert_model, directory / kind, side.suffix,
-                                       [*side.convert_extra, "--taps", str(k), "--no-eval"], log)
+                                       {**side.convert_extra, "taps": k, "no_eval": True}, log)
         made += commands
         calibrations[k] = directory / kind / "calibration"
         for m, candidate in zip(m_list, nbl):

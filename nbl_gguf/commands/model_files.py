@@ -3,7 +3,6 @@ by `convert` (one calibration per kind of map, reused across m), and where they 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
@@ -18,9 +17,10 @@ def work_dir(args) -> Path:
     return cache_dir() / "bench"
 
 
-def nbl_by_convert(args, model: str, directory: Path, suffix: str, extra: list[str], log) -> tuple[list, list[str]]:
-    """(an NBL-m Candidate per --m, the convert commands): `convert --model MODEL` per m into ``directory``
-    (kept and reused), the first making the one calibration that the others reuse."""
+def nbl_by_convert(args, model: str, directory: Path, suffix: str, extra: dict, log) -> tuple[list, list[str]]:
+    """(an NBL-m Candidate per --m, the convert commands): convert.convert of ``model`` per m into ``directory``
+    (kept and reused), with the convert options ``extra`` ({name: value}), the first making the one
+    calibration that the others reuse."""
     from nbl_gguf.commands import convert
 
     calibration = Path(args.calibration) if args.calibration else directory / "calibration"
@@ -32,27 +32,21 @@ def nbl_by_convert(args, model: str, directory: Path, suffix: str, extra: list[s
     # the largest m first: the calibration's measured selection (best, the default) goes to the m it was
     # made for, and a smaller m is a prefix of it
     for m in sorted(set(args.m), reverse=True):
-        argv = ["--model", model, "--m", str(m), *extra, "-o", str(paths[m]), "--seed", str(args.seed)]
-        if args.no_progress:
-            argv.append("--no-progress")
+        values = dict(model=model, m=m, **extra, output=str(paths[m]), seed=args.seed, no_progress=args.no_progress,
+                      threads=args.threads)
         if calibration.is_dir():
-            argv += ["--calibration", str(calibration)]
+            values["calibration"] = str(calibration)
         else:
-            argv += ["--save-calibration", str(calibration), "--device", args.device]
-            if args.dtype != "auto":
-                argv += ["--dtype", args.dtype]
+            values.update(save_calibration=str(calibration), device=args.device, dtype=args.dtype)
             if args.calib_nsamples:
-                argv += ["--nsamples", str(args.calib_nsamples)]
+                values["nsamples"] = args.calib_nsamples
             if args.calib_seqlen:
-                argv += ["--seqlen", str(args.calib_seqlen)]
-        if args.threads:
-            argv += ["--threads", str(args.threads)]
-        commands[m] = "python -m nbl_gguf convert " + " ".join(argv)
+                values["seqlen"] = args.calib_seqlen
+        options = convert.options(**values)
+        commands[m] = convert.command_line(options)
         if not paths[m].is_file():
             log(f"{Path(model).name}: {commands[m]}")
-            parser = argparse.ArgumentParser()
-            convert.add_arguments(parser)
-            summary = convert.convert(parser.parse_args(argv))
+            summary = convert.convert(options)
             log(summary.table())
     return [Candidate(f"nbl-m{m}", paths[m]) for m in args.m], list(commands.values())
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from nbl_gguf.calibration.artifact import CRITERIA
@@ -39,7 +40,21 @@ DEFAULT_TAPS = 4
 AUTO_TAPS_CPU_MAX_WIDTH = 2048
 
 
-def check_taps(args, source, method: str, hidden: int | None = None, device: str = "cpu") -> int:
+@dataclass(frozen=True)
+class TapsRequest:
+    """convert's --taps and what decides it: the asked count ('auto' or K), the layout the file is written
+    in (--runtime), the calibration it would be fitted on (--nsamples x --seqlen; None: the device's
+    default count / not given) or an artifact given (--calibration, which carries its own fit)."""
+
+    taps: int | str
+    runtime: str = "nbl"
+    taps_rank: int | None = None
+    nsamples: int | None = None
+    seqlen: int | None = None
+    from_artifact: bool = False
+
+
+def check_taps(request: TapsRequest, source, method: str, hidden: int | None = None, device: str = "cpu") -> int:
     """--taps K: past-token maps (GGUF layer type 3) need the NBL layout, the attention's maps and a
     graph that builds them, and more fit tokens than stacked inputs; checked before calibrating. Returns
     K; 'auto' is DEFAULT_TAPS where the file can carry them and the calibration (on ``device``, width
@@ -49,25 +64,25 @@ def check_taps(args, source, method: str, hidden: int | None = None, device: str
     from nbl_gguf.gguf import nbl_format
 
     # the fit tokens asked for; their stacked inputs (K x hidden) need more tokens than that to be solved
-    nsamples = getattr(args, "nsamples", None)
-    if nsamples is None and args.taps == "auto":
+    nsamples = request.nsamples
+    if nsamples is None and request.taps == "auto":
         nsamples = DEFAULT_NSAMPLES["cuda" if device.startswith("cuda") else "cpu"]
-    tokens = nsamples * args.seqlen if nsamples is not None and getattr(args, "seqlen", None) else None
-    if args.taps == "auto":
-        fits = args.runtime == "nbl" and method == "attn-nbl" and gguf_architecture(source) in nbl_format.TAPS_ARCHITECTURES
+    tokens = nsamples * request.seqlen if nsamples is not None and request.seqlen else None
+    if request.taps == "auto":
+        fits = request.runtime == "nbl" and method == "attn-nbl" \
+            and gguf_architecture(source) in nbl_format.TAPS_ARCHITECTURES
         cheap = device.startswith("cuda") or hidden is None or hidden <= AUTO_TAPS_CPU_MAX_WIDTH
         enough = tokens is None or hidden is None or tokens > DEFAULT_TAPS * hidden
         return DEFAULT_TAPS if fits and cheap and enough else 1
-    check_calibration_taps(args)  # the count, the rank, the method, the streamed calibrator
-    taps = int(args.taps)
+    taps = int(request.taps)
+    check_calibration_taps(taps, request.taps_rank, method)  # the count, the rank, the method
     if taps < 2:
         return taps
-    if tokens is not None and hidden is not None and not getattr(args, "calibration", None) \
-            and tokens <= taps * hidden:
+    if tokens is not None and hidden is not None and not request.from_artifact and tokens <= taps * hidden:
         raise NblError(f"--taps {taps} stacks {taps} x {hidden} = {taps * hidden} inputs a layer, and --nsamples "
-                       f"{nsamples} x --seqlen {args.seqlen} is {tokens} tokens: fit on more than {taps * hidden} "
+                       f"{nsamples} x --seqlen {request.seqlen} is {tokens} tokens: fit on more than {taps * hidden} "
                        f"tokens, or use --taps 1")
-    if args.runtime == "stock":
+    if request.runtime == "stock":
         raise NblError(f"--taps {taps} writes taps layers, which keep the inputs of earlier tokens in a state per "
                        f"sequence: stock llama.cpp's deci layers cannot, so use --runtime nbl (the patched llama.cpp) "
                        f"or --taps 1")
@@ -98,22 +113,32 @@ def taps_maps(artifact, layers: list[int], taps: int) -> dict:
     return {layer: artifact.taps_map(layer) for layer in layers}
 
 
-def chosen_layers(artifact, args, method: str, n_layer: int, taps: int = 1) -> list[int]:
+@dataclass(frozen=True)
+class LayerChoice:
+    """Which layers convert replaces: --m (a count, 'auto', or None for the default), --criterion, and
+    --max-ppl-increase (with --m auto)."""
+
+    m: int | str | None
+    criterion: str
+    max_ppl_increase: float | None = None
+
+
+def chosen_layers(artifact, choice: LayerChoice, method: str, n_layer: int, taps: int = 1) -> list[int]:
     """The layers to replace: the calibration's own choice (made in this run, or --m auto), else the
     artifact's maps re-ranked for --m / --criterion."""
     from nbl_gguf.calibration.settings import default_m
 
     selection = artifact.report["selection"]
-    if args.m == "auto":
-        if "max_ppl_increase" not in selection or selection["criterion"] != args.criterion:
+    if choice.m == "auto":
+        if "max_ppl_increase" not in selection or selection["criterion"] != choice.criterion:
             raise NblError(f"--m auto is decided while calibrating; the calibration in {artifact.path} chose a fixed "
-                           f"m by {selection['criterion']}: calibrate with --m auto --criterion {args.criterion}")
-        if args.max_ppl_increase is not None and args.max_ppl_increase != selection["max_ppl_increase"]:
+                           f"m by {selection['criterion']}: calibrate with --m auto --criterion {choice.criterion}")
+        if choice.max_ppl_increase is not None and choice.max_ppl_increase != selection["max_ppl_increase"]:
             raise NblError(f"the calibration in {artifact.path} chose m within +{selection['max_ppl_increase']:g}%, "
-                           f"not +{args.max_ppl_increase:g}%: calibrate again with that budget")
-        return sorted(artifact.select(None, args.criterion, method, taps))
-    m = default_m(n_layer) if args.m is None else args.m
-    return sorted(artifact.select(m, args.criterion, method, taps))
+                           f"not +{choice.max_ppl_increase:g}%: calibrate again with that budget")
+        return sorted(artifact.select(None, choice.criterion, method, taps))
+    m = default_m(n_layer) if choice.m is None else choice.m
+    return sorted(artifact.select(m, choice.criterion, method, taps))
 
 
 def recorded_scores(artifact, criterion: str) -> tuple[list[float] | None, str | None]:

@@ -55,18 +55,39 @@ def check_models(models: ModelSet) -> ModelSet:
     return models
 
 
-def measure(models: ModelSet, backends: list[str], args, log) -> tuple[list[dict], list[list[str]]]:
-    extra = args.bench_args.split() if args.bench_args else []
+@dataclass(frozen=True)
+class BenchSettings:
+    """How llama-bench runs each model: -p/-n tokens at each depth, calls per round (-r), interleaved
+    rounds, threads (None: every core), the KV cache type (-ctk/-ctv; None: f16) and extra llama-bench
+    arguments (one string, split on spaces)."""
+
+    n_prompt: int
+    n_gen: int
+    depths: tuple[int, ...]
+    repetitions: int
+    rounds: int
+    threads: int | None = None
+    cache_type: str | None = None
+    bench_args: str | None = None
+
+    @property
+    def thread_count(self) -> int:
+        return self.threads or os.cpu_count() or 1
+
+
+def measure(models: ModelSet, backends: list[str], settings: BenchSettings, log) -> tuple[list[dict], list[list[str]]]:
+    extra = settings.bench_args.split() if settings.bench_args else []
     measurements, commands = [], []
-    threads = args.threads or os.cpu_count() or 1
+    threads = settings.thread_count
     for backend in backends:
-        plan = schedule(models.all(), args.depths, args.rounds)
+        plan = schedule(models.all(), list(settings.depths), settings.rounds)
         started = time.monotonic()
         for step, (round_index, depth, candidate) in enumerate(plan, 1):
             t0 = time.monotonic()
             records, command = run_llama_bench(
-                candidate.path, n_prompt=args.n_prompt, n_gen=args.n_gen, depth=depth, repetitions=args.repetitions,
-                threads=threads, backend=backend, cache_type=args.cache_type, extra=extra)
+                candidate.path, n_prompt=settings.n_prompt, n_gen=settings.n_gen, depth=depth,
+                repetitions=settings.repetitions, threads=threads, backend=backend, cache_type=settings.cache_type,
+                extra=extra)
             if step <= len(models.all()):
                 commands.append(command)
             summary = ", ".join(f"{r['test']} {r['avg_ts']:.2f} t/s" for r in records)

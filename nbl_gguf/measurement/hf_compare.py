@@ -8,13 +8,14 @@ DynamicCache (llama-bench's tg at depth 0). The NBL weights are read back from e
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from nbl_gguf.errors import NblError
+from nbl_gguf.measurement.bench import BenchSettings
 
 
 def nbl_layers_from_gguf(path) -> tuple[list[int], dict[int, tuple[np.ndarray, np.ndarray]]]:
@@ -85,7 +86,16 @@ def time_model(model, n_vocab: int, n_prompt: int, n_gen: int, reps: int, device
     return result
 
 
-def load_hf(models, args, log):
+@dataclass(frozen=True)
+class HfSettings:
+    """The transformers side of --hf-compare: --device, --dtype ('auto': the device's) and --seed."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+
+
+def load_hf(models, settings: HfSettings, log):
     """The HF model for ``models`` (a folder, or a random model of a synthetic shape), its device and dtype."""
     import torch
 
@@ -94,15 +104,15 @@ def load_hf(models, args, log):
     spec = models.hf
     if not spec:
         raise NblError("--hf-compare with explicit GGUFs needs --hf-model (the HF folder they were converted from)")
-    device = resolve_device(args.device)
+    device = resolve_device(settings.device)
     if spec["kind"] == "folder":
-        loaded = load_model(spec["path"], dtype=args.dtype, device=device)
+        loaded = load_model(spec["path"], dtype=settings.dtype, device=device)
         return loaded.model, device, loaded.dtype
     from transformers import AutoModelForCausalLM
 
     from nbl_gguf.fixtures.synthetic import get_shape, hf_config
 
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(settings.dtype, device)
     torch.manual_seed(spec.get("seed", 0))
     log(f"hf-compare: random {spec['shape']} in {dtype} on {device}")
     with torch.device(device):
@@ -110,7 +120,7 @@ def load_hf(models, args, log):
     return model.eval(), device, dtype
 
 
-def compare(models, measurements, args, log) -> dict:
+def compare(models, measurements, bench: BenchSettings, hf: HfSettings, log) -> dict:
     import torch
 
     from nbl_gguf.calibration import apply
@@ -118,21 +128,21 @@ def compare(models, measurements, args, log) -> dict:
     from nbl_gguf.measurement.speedup import aggregate
     from nbl_gguf.models import decoder_layers, get_adapter
 
-    threads = args.threads or os.cpu_count() or 1
+    threads = bench.thread_count
     torch.set_num_threads(threads)
-    model, device, dtype = load_hf(models, args, log)
+    model, device, dtype = load_hf(models, hf, log)
     backend = "cuda" if device.startswith("cuda") else "cpu"
     n_vocab = model.config.vocab_size
-    reps = max(2, args.rounds * args.repetitions)
+    reps = max(2, bench.rounds * bench.repetitions)
 
     # llama.cpp at depth 0 on the matching backend: from the main run, or measured here
     cells = aggregate([r for r in measurements if r["backend"] == backend and r["depth"] == 0])
     if not cells:
         extra = []
         for candidate in models.all():
-            records, _ = run_llama_bench(candidate.path, n_prompt=args.n_prompt, n_gen=args.n_gen, depth=0,
+            records, _ = run_llama_bench(candidate.path, n_prompt=bench.n_prompt, n_gen=bench.n_gen, depth=0,
                                          repetitions=reps, threads=threads, backend=backend,
-                                         cache_type=args.cache_type)
+                                         cache_type=bench.cache_type)
             for record in records:
                 record.update(backend=backend, label=candidate.label, round=0)
             extra += records
@@ -153,7 +163,7 @@ def compare(models, measurements, args, log) -> dict:
             setattr(layer, adapter.attn, originals[i])
         apply.apply_nbl(model, types, linear)
         log(f"hf-compare: transformers {candidate.label} on {device} ({dtype})")
-        timing = time_model(model, n_vocab, args.n_prompt, args.n_gen, reps, device, seed=args.seed)
+        timing = time_model(model, n_vocab, bench.n_prompt, bench.n_gen, reps, device, seed=hf.seed)
         rows.append({"model": candidate.label, "engine": f"transformers {str(dtype).replace('torch.', '')}",
                      "device": device, **timing})
         pp, tg = cells.get((backend, candidate.label, "pp", 0)), cells.get((backend, candidate.label, "tg", 0))
@@ -168,6 +178,6 @@ def compare(models, measurements, args, log) -> dict:
         row["prefill_speedup"] = row.get("prefill_tps", float("nan")) / base.get("prefill_tps", float("nan"))
         row["decode_speedup"] = row.get("decode_tps", float("nan")) / base.get("decode_tps", float("nan"))
     note = (f"transformers {__import__('transformers').__version__}, torch {torch.__version__}, {threads} threads; "
-            f"median of {reps} runs after a warm-up. llama.cpp: the same run's pp{args.n_prompt} / tg{args.n_gen} "
+            f"median of {reps} runs after a warm-up. llama.cpp: the same run's pp{bench.n_prompt} / tg{bench.n_gen} "
             f"at depth 0 on {backend}.")
-    return {"n_prompt": args.n_prompt, "n_gen": args.n_gen, "device": device, "rows": rows, "note": note}
+    return {"n_prompt": bench.n_prompt, "n_gen": bench.n_gen, "device": device, "rows": rows, "note": note}

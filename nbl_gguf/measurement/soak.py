@@ -1,7 +1,7 @@
 """Soak test: llama-server with an NBL GGUF on loopback, many concurrent greedy clients for minutes.
 
-    .venv/bin/python -m nbl_gguf.measurement.soak                # the embedded SmolLM2, --m 4, q4_k_m, 5 minutes
-    .venv/bin/python -m nbl_gguf.measurement.soak --model F.gguf --duration 30 --json out/soak.json
+    python -m nbl_gguf soak                # the embedded SmolLM2, --m 4, q4_k_m, 5 minutes (the command: commands/soak.py)
+    python -m nbl_gguf soak --model F.gguf --duration 30 -o out/soak.json
 
 The patched build/bin/llama-server serves the GGUF on 127.0.0.1 with one slot per client
 (--parallel), prompt caching (requests with cache_prompt) and KV-shifting cache reuse (--cache-reuse).
@@ -15,14 +15,13 @@ lengths (short, medium, long) and share prefixes (one document, several question
 reuse cached prompts. The server's resident memory (VmRSS) is sampled every second: after the
 warm-up it must stay flat. Extra llama-server options go through --server-arg (e.g. -ub 1).
 
-Writes the result as JSON (--json) and prints a summary; exits 1 when a request failed, a response
+The command writes the result as JSON (-o) and prints a summary; exits 1 when a request failed, a response
 differed from the reference or the memory grew by more than --rss-tolerance-mib after the warm-up.
 Results and what they mean: docs/results/soak.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import random
@@ -34,15 +33,47 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from nbl_gguf.calibration.dataset import heldout_texts
+from nbl_gguf.errors import NblError
 from nbl_gguf.llamacpp.tools import tool
 
 DEFAULT_MODEL = Path("out") / "soak" / "SmolLM2-135M-Instruct-nbl-m4-q4_k_m.gguf"  # under the working folder
 # a short calibration: which 4 layers, and how well fitted, matters to quality, not to a soak
 CONVERT_DEFAULT = ["--m", "4", "--quant", "q4_k_m", "--nsamples", "8", "--seqlen", "512", "--criterion", "cosine",
                    "--no-eval", "--no-progress"]
+
+
+@dataclass(frozen=True)
+class SoakSettings:
+    """The soak's load and the server's options (`python -m nbl_gguf soak`'s flags under the same names)."""
+
+    duration: float = 300.0  # seconds of concurrent load
+    clients: int = 8  # concurrent clients and server slots
+    max_requests: int = 20000
+    n_predict: int = 24  # tokens generated per request
+    prompt_scale: float = 1.0  # prompt lengths relative to the default set
+    ctx_per_slot: int = 2048
+    cache_reuse: int = 64  # llama-server --cache-reuse
+    no_cache_prompt: bool = False
+    threads: int | None = None  # llama-server -t (None: its own)
+    seed: int = 0
+    warmup: float | None = None  # seconds before memory must be flat (None: 20% of duration)
+    rss_tolerance_mib: float = 8.0
+    request_timeout: float = 300.0
+    port: int = 0  # 0: a free port
+    server_arg: tuple[str, ...] = field(default_factory=tuple)  # extra llama-server arguments
+    server_log: str | None = None
+
+    def __post_init__(self):
+        if self.warmup is None:
+            object.__setattr__(self, "warmup", round(0.2 * self.duration, 1))
+        if self.clients < 1 or self.max_requests < 1 or self.duration <= 0 or not 0 <= self.warmup < self.duration:
+            raise NblError("need --clients >= 1, --max-requests >= 1, --duration > 0 and 0 <= --warmup < --duration")
+
+
 QUESTIONS = ("\n\nQuestion: What is the text above about?\nAnswer:",
              "\n\nQuestion: Who is the text above written for?\nAnswer:",
              "\n\nSummarize the text above in one sentence:",
@@ -84,13 +115,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, args) -> tuple[subprocess.Popen, int, list[str]]:
-    port = args.port or free_port()
+def start_server(model: Path, settings) -> tuple[subprocess.Popen, int, list[str]]:
+    port = settings.port or free_port()
     command = [str(tool("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-               "--parallel", str(args.clients), "-c", str(args.clients * args.ctx_per_slot),
-               "--cache-reuse", str(args.cache_reuse), "--seed", str(args.seed), "--no-webui",
-               *(["-t", str(args.threads)] if args.threads else []), *args.server_arg]
-    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
+               "--parallel", str(settings.clients), "-c", str(settings.clients * settings.ctx_per_slot),
+               "--cache-reuse", str(settings.cache_reuse), "--seed", str(settings.seed), "--no-webui",
+               *(["-t", str(settings.threads)] if settings.threads else []), *settings.server_arg]
+    log = open(settings.server_log, "w") if settings.server_log else subprocess.DEVNULL
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while True:
@@ -102,16 +133,16 @@ def start_server(model: Path, args) -> tuple[subprocess.Popen, int, list[str]]:
             pass
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            raise SystemExit(f"llama-server did not start (exit {process.poll()}); see --server-log")
+            raise NblError(f"llama-server did not start (exit {process.poll()}); see --server-log")
         time.sleep(0.2)
 
 
-def complete(port: int, prompt: str, args) -> dict:
-    body = {"prompt": prompt, "n_predict": args.n_predict, "temperature": 0.0, "top_k": 1, "seed": args.seed,
-            "cache_prompt": not args.no_cache_prompt, "return_tokens": True, "n_probs": 2}
+def complete(port: int, prompt: str, settings) -> dict:
+    body = {"prompt": prompt, "n_predict": settings.n_predict, "temperature": 0.0, "top_k": 1, "seed": settings.seed,
+            "cache_prompt": not settings.no_cache_prompt, "return_tokens": True, "n_probs": 2}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=args.request_timeout) as response:
+    with urllib.request.urlopen(request, timeout=settings.request_timeout) as response:
         return json.loads(response.read())
 
 
@@ -155,20 +186,20 @@ def margins(result: dict) -> list[float | None]:
     return out
 
 
-def reference_pass(port: int, prompts: list[dict], args) -> dict[int, dict]:
+def reference_pass(port: int, prompts: list[dict], settings) -> dict[int, dict]:
     reference = {}
     for prompt in prompts:
-        result = complete(port, prompt["prompt"], args)
+        result = complete(port, prompt["prompt"], settings)
         if result["truncated"]:
-            raise SystemExit(f"prompt {prompt['id']} ({prompt['kind']}) does not fit --ctx-per-slot {args.ctx_per_slot}")
+            raise SystemExit(f"prompt {prompt['id']} ({prompt['kind']}) does not fit --ctx-per-slot {settings.ctx_per_slot}")
         reference[prompt["id"]] = {"content": result["content"], "tokens": result["tokens"],
                                    "prompt_tokens": result["tokens_evaluated"], "margins": margins(result)}
     return reference
 
 
 class Soak:
-    def __init__(self, port: int, prompts: list[dict], reference: dict[int, dict], args):
-        self.port, self.prompts, self.reference, self.args = port, prompts, reference, args
+    def __init__(self, port: int, prompts: list[dict], reference: dict[int, dict], settings):
+        self.port, self.prompts, self.reference, self.settings = port, prompts, reference, settings
         self.lock = threading.Lock()
         self.sent = 0
         self.records: list[dict] = []
@@ -177,14 +208,14 @@ class Soak:
 
     def take_ticket(self) -> bool:
         with self.lock:
-            if self.sent >= self.args.max_requests:
+            if self.sent >= self.settings.max_requests:
                 return False
             self.sent += 1
             return True
 
     def client(self, index: int, deadline: float) -> None:
         order = list(range(len(self.prompts)))
-        rng = random.Random(self.args.seed * 1000 + index)
+        rng = random.Random(self.settings.seed * 1000 + index)
         position = len(order)
         while time.monotonic() < deadline and self.take_ticket():
             if position == len(order):
@@ -198,7 +229,7 @@ class Soak:
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
             started = time.monotonic()
             try:
-                result = complete(self.port, prompt["prompt"], self.args)
+                result = complete(self.port, prompt["prompt"], self.settings)
                 expected = self.reference[prompt["id"]]
                 record.update(ok=True, same=result["content"] == expected["content"]
                               and result["tokens"] == expected["tokens"],
@@ -222,8 +253,8 @@ class Soak:
 
     def run(self) -> float:
         started = time.monotonic()
-        deadline = started + self.args.duration
-        threads = [threading.Thread(target=self.client, args=(i, deadline)) for i in range(self.args.clients)]
+        deadline = started + self.settings.duration
+        threads = [threading.Thread(target=self.client, settings=(i, deadline)) for i in range(self.settings.clients)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -261,7 +292,7 @@ def memory_report(samples: list[tuple[float, int]], soak_start: float, soak_end:
     }
 
 
-def summarize(records: list[dict], reference: dict, max_in_flight: int, seconds: float, memory: dict, args) -> dict:
+def summarize(records: list[dict], reference: dict, max_in_flight: int, seconds: float, memory: dict, settings) -> dict:
     failed = [r for r in records if not r["ok"]]
     done = [r for r in records if r["ok"]]
     different = [r for r in done if not r["same"]]
@@ -281,12 +312,12 @@ def summarize(records: list[dict], reference: dict, max_in_flight: int, seconds:
     checks = {
         "no failed requests": not failed,
         "every response equals the single-client reference": not different,
-        f"memory flat after the warm-up (growth <= {args.rss_tolerance_mib} MiB)":
-            growth is not None and growth <= args.rss_tolerance_mib,
+        f"memory flat after the warm-up (growth <= {settings.rss_tolerance_mib} MiB)":
+            growth is not None and growth <= settings.rss_tolerance_mib,
     }
     return {
         "requests": len(records), "failed": len(failed), "different": len(different),
-        "clients": args.clients, "max_in_flight": max_in_flight, "seconds": round(seconds, 1),
+        "clients": settings.clients, "max_in_flight": max_in_flight, "seconds": round(seconds, 1),
         "requests_per_s": round(len(records) / seconds, 2) if seconds else None,
         "generated_tokens": sum(r["predicted_n"] for r in done),
         "prompt_tokens": prompt_tokens, "prompt_tokens_evaluated": evaluated,
@@ -346,54 +377,19 @@ def default_model() -> Path:
     return DEFAULT_MODEL
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None,
-                        help=f"NBL GGUF (default: {DEFAULT_MODEL}, made by convert "
-                             f"{' '.join(CONVERT_DEFAULT[:4])} if missing)")
-    parser.add_argument("--duration", type=float, default=300, help="seconds of concurrent load (default: 300)")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients and server slots (default: 8)")
-    parser.add_argument("--max-requests", type=int, default=20000, help="request bound (default: 20000)")
-    parser.add_argument("--n-predict", type=int, default=24, help="tokens generated per request (default: 24)")
-    parser.add_argument("--prompt-scale", type=float, default=1.0,
-                        help="prompt lengths relative to the default set (a byte-vocabulary test model: 0.25)")
-    parser.add_argument("--ctx-per-slot", type=int, default=2048, help="context per slot (default: 2048)")
-    parser.add_argument("--cache-reuse", type=int, default=64,
-                        help="llama-server --cache-reuse: shortest chunk reused by KV shifting (default: 64)")
-    parser.add_argument("--no-cache-prompt", action="store_true",
-                        help="requests with cache_prompt false: every prompt is evaluated whole, as in the reference "
-                             "(isolates the concurrent decoding from the prompt cache's numerics)")
-    parser.add_argument("--threads", type=int, default=None, help="llama-server -t (default: its own)")
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--warmup", type=float, default=None,
-                        help="seconds of the concurrent phase before memory must be flat (default: 20%% of --duration)")
-    parser.add_argument("--rss-tolerance-mib", type=float, default=8.0,
-                        help="allowed RSS growth from the end of the warm-up to the end (default: 8 MiB)")
-    parser.add_argument("--request-timeout", type=float, default=300)
-    parser.add_argument("--port", type=int, default=0, help="default: a free port")
-    parser.add_argument("--server-arg", action="append", default=[], help="extra llama-server argument (repeatable)")
-    parser.add_argument("--server-log", default=None, help="write llama-server's log here")
-    parser.add_argument("--json", default=None, help="write the result here")
-    args = parser.parse_args(argv)
-    if args.warmup is None:
-        args.warmup = round(0.2 * args.duration, 1)
-    if args.clients < 1 or args.max_requests < 1 or args.duration <= 0 or not 0 <= args.warmup < args.duration:
-        parser.error("need --clients >= 1, --max-requests >= 1, --duration > 0 and 0 <= --warmup < --duration")
-    return args
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    model = args.model or default_model()
-    prompts = prompt_set(args.prompt_scale)
-    process, port, command = start_server(model, args)
+def soak(model: Path | None, settings: SoakSettings, command: str) -> dict:
+    """Serve ``model`` (None: default_model()) and load it as ``settings`` say; the result (``command``:
+    how it was asked for), whose ["soak"]["passed"] says whether every check held."""
+    model = model or default_model()
+    prompts = prompt_set(settings.prompt_scale)
+    process, port, server_command = start_server(model, settings)
     sampler = RssSampler(process.pid)
     sampler.start()
     try:
-        reference = reference_pass(port, prompts, args)
-        soak = Soak(port, prompts, reference, args)
+        reference = reference_pass(port, prompts, settings)
+        load = Soak(port, prompts, reference, settings)
         soak_start = time.monotonic() - sampler.start_time
-        seconds = soak.run()
+        seconds = load.run()
         soak_end = soak_start + seconds
         time.sleep(1.5)  # one more sample after the last request
     finally:
@@ -404,16 +400,13 @@ def main(argv=None) -> int:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
-    memory = memory_report(sampler.samples, soak_start, soak_end, args.warmup)
-    summary = summarize(soak.records, reference, soak.max_in_flight, seconds, memory, args)
+    memory = memory_report(sampler.samples, soak_start, soak_end, settings.warmup)
+    summary = summarize(load.records, reference, load.max_in_flight, seconds, memory, settings)
     result = {
-        "command": "python -m nbl_gguf.measurement.soak " + " ".join(sys.argv[1:] if argv is None else argv),
-        "server_command": [Path(command[0]).name, *command[1:]],
+        "command": command,
+        "server_command": [Path(server_command[0]).name, *server_command[1:]],
         "model": str(model), "model_bytes": model.stat().st_size,
-        "settings": {k: getattr(args, k) for k in ("duration", "clients", "max_requests", "n_predict", "prompt_scale",
-                                                   "ctx_per_slot",
-                                                   "cache_reuse", "no_cache_prompt", "threads", "seed", "warmup",
-                                                   "rss_tolerance_mib", "server_arg")},
+        "settings": {k: v for k, v in asdict(settings).items() if k not in ("request_timeout", "port", "server_log")},
         "prompts": [{"id": p["id"], "kind": p["kind"], "chars": len(p["prompt"]),
                      "tokens": reference[p["id"]]["prompt_tokens"], "reference": reference[p["id"]]["content"]}
                     for p in prompts],
@@ -421,12 +414,4 @@ def main(argv=None) -> int:
         "soak": summary,
         "rss_samples_kib": sampler.samples,
     }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print_summary(result)
-    return 0 if summary["passed"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return result

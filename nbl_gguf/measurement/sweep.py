@@ -96,37 +96,6 @@ def _log(message: str) -> None:
 
 # --- inputs --------------------------------------------------------------------------------------
 
-def get_calibration(args, source, work: Path):
-    from nbl_gguf.calibration.artifact import load_artifact
-    from nbl_gguf.calibration.calibrate import calibrate
-    from nbl_gguf.calibration.report import describe_artifact
-    from nbl_gguf.calibration.settings import Settings
-
-    if args.calibration:
-        if not Path(args.calibration).is_dir():
-            raise NblError(f"--calibration {args.calibration}: no such artifact directory")
-        return load_artifact(args.calibration)
-    model_dir = source.hf_folder()
-    target = work / f"calibration-{args.nsamples}x{args.seqlen}"
-    # Block NBL rows need the block maps too
-    targets = ("attn", "block") if "block-nbl" in args.methods else ("attn",)
-    if target.is_dir():
-        artifact = load_artifact(target)
-        data = artifact.report.get("data", {})
-        if (data.get("nsamples_requested") == args.nsamples and data.get("seqlen") == args.seqlen
-                and Path(artifact.report["model"].get("path", "")).resolve() == model_dir.resolve()
-                and set(targets) <= set(artifact.targets)):
-            _log(f"reusing calibration {target}")
-            return artifact
-    _log(f"calibrating {model_dir.name}: {args.nsamples} x {args.seqlen} tokens -> {target}")
-    settings = Settings(model=str(model_dir), nsamples=args.nsamples, seqlen=args.seqlen, criterion="cosine",
-                        targets=",".join(targets), output=str(target), device=args.device, dtype=args.dtype,
-                        threads=args.threads, no_progress=args.no_progress)
-    artifact = load_artifact(calibrate(settings))
-    print(describe_artifact(artifact))
-    return artifact
-
-
 def best_choices(artifact, source, methods: list[str], ms: list[int], cache, calib_tag: str) -> dict:
     """What `--criterion best` picks at each (method, m): the local criterion whose m layers cost the model
     least on held-out windows: those calibrate measured (the calibration text's windows after the artifact's
@@ -184,27 +153,28 @@ def best_choices(artifact, source, methods: list[str], ms: list[int], cache, cal
     return choices
 
 
-def build_configs(artifact, args, n_layer: int, best: dict | None = None) -> tuple[list[Config], list[Config]]:
-    """(main sweep, criteria comparison) configurations with their selected layers. With --criterion best,
-    ``best`` maps (method, m) to the local criterion that the held-out calibration windows chose."""
-    main = [Config("baseline", 0, args.criterion)]
-    for m in args.m:
-        for method in args.methods:
+def build_configs(artifact, ms: list[int], methods: list[str], criterion: str, extra_criteria: list[str] = (),
+                  criteria_m: int = 0, best: dict | None = None) -> tuple[list[Config], list[Config]]:
+    """(main sweep, criteria comparison) configurations with their selected layers: each method at each m
+    by ``criterion`` and by each of ``extra_criteria``, and at ``criteria_m`` (0: none) each criterion's
+    layers for Attn NBL and DROP. With --criterion best, ``best`` maps (method, m) to the local criterion
+    that the held-out calibration windows chose (and every other criterion's layers are shown beside)."""
+    main = [Config("baseline", 0, criterion)]
+    for m in ms:
+        for method in methods:
             # block NBL has no held-out selection: it keeps the local default
-            chosen = (best or {}).get((method, m), args.criterion if args.criterion in CRITERIA else LOCAL_DEFAULT)
+            chosen = (best or {}).get((method, m), criterion if criterion in CRITERIA else LOCAL_DEFAULT)
             main.append(Config(method, m, chosen, artifact.select(m, chosen, method),
                                chosen_by="best" if (method, m) in (best or {}) else ""))
             if method in ("attn-nbl", "attn-drop"):
-                extra = CRITERIA if best else args.extra_criteria
-                for criterion in [c for c in extra if c != chosen]:
-                    main.append(Config(method, m, criterion, artifact.select(m, criterion, method),
-                                       variant=f"{criterion} layers"))
+                extra = CRITERIA if best else extra_criteria
+                for other in [c for c in extra if c != chosen]:
+                    main.append(Config(method, m, other, artifact.select(m, other, method), variant=f"{other} layers"))
     criteria = []
-    if args.criteria_m:
+    if criteria_m:
         for method in ("attn-nbl", "attn-drop"):
-            for criterion in CRITERIA:
-                criteria.append(Config(method, args.criteria_m, criterion,
-                                       artifact.select(args.criteria_m, criterion, method)))
+            for other in CRITERIA:
+                criteria.append(Config(method, criteria_m, other, artifact.select(criteria_m, other, method)))
     return main, criteria
 
 

@@ -218,10 +218,18 @@ def check_multiple_choice(path: Path) -> tuple[int, int]:
     return len(tasks), max(len(t["answers"]) for t in tasks)
 
 
-def _task_files(args) -> dict[str, tuple[Path, int | None]]:
+TASKS = ("hellaswag", "winogrande", "multiple-choice")
+
+
+def check_task_files(requested: dict[str, tuple[str | None, int | None]]) -> dict[str, tuple[Path, int | None]]:
+    """{task: (its file, how many of its tasks)} for the tasks of TASKS given a file in ``requested``
+    ({task: (file or None, count or None)}), each file checked before any model runs."""
+    unknown = set(requested) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown tasks {sorted(unknown)}: the tasks are {', '.join(TASKS)}")
     files = {}
-    for task, attr in (("hellaswag", "hellaswag"), ("winogrande", "winogrande"), ("multiple-choice", "multiple_choice")):
-        value = getattr(args, attr)
+    for task in TASKS:
+        value, count = requested.get(task, (None, None))
         if value:
             path = Path(value)
             # fail on a bad file before any model runs
@@ -232,5 +240,5 @@ def _task_files(args) -> dict[str, tuple[Path, int | None]]:
                     prepare_winogrande(path, Path(tmp))
             else:
                 check_multiple_choice(path)
-            files[task] = (path, getattr(args, attr + "_tasks"))
+            files[task] = (path, count)
     return files

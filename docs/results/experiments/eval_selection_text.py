@@ -6,7 +6,7 @@ unquantized). One JSON line per (variant, m): the windows of each kind, every cr
 selection-window increase, the choice; then one line per m with every criterion's layers' increase on
 each kind's evaluation windows.
 
-    python scripts/eval_selection_text.py --calibration ART --ms 4,8 \\
+    python docs/results/experiments/eval_selection_text.py --calibration ART --ms 4,8 \\
         --variants "calibration;mix;mix" --windows 4,4,6 --out selection-text.jsonl
 
 With --max-ppl-increase P, each variant also runs --m auto (best, cosine walked first) and the layers

@@ -4,7 +4,7 @@ side by side in one run on the same moments; prints both times and how far the r
 Random activations with a spread spectrum (condition number about 1e6) stand in for a layer's. The 8B
 shape (d = 4096):
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_solve_layer.py
+    PYTHONPATH=. .venv/bin/python docs/results/experiments/bench_solve_layer.py
 """
 import argparse
 import time

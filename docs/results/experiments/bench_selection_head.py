@@ -1,7 +1,7 @@
 """The LM-head pass of layer selection (stream.LayerStream.token_nll) against the strided head input it
 replaced, side by side on one window of a model (docs/results/scale-cpu.md, "Selection").
 
-    python scripts/bench_selection_head.py bench-results/scale/llama-3.1-8b-random-q4_k_m.gguf
+    python docs/results/experiments/bench_selection_head.py bench-results/scale/llama-3.1-8b-random-q4_k_m.gguf
 
 Before the fix, the head read each slice of 256 positions as a [1, 256, d] view that kept the window's
 batch stride; torch's bf16 CPU matmul then left its fast path. Prints both times and the largest
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 
 def main(argv=None) -> int:

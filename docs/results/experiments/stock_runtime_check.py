@@ -3,7 +3,7 @@ answer to a chat prompt (docs/results/stock-runtime.md).
 
 llama-cpp-python loads the library named by LLAMA_CPP_LIB_PATH, so the stock one is chosen with it:
 
-    LLAMA_CPP_LIB_PATH=build/stock .venv/bin/python scripts/stock_runtime_check.py stock.gguf nbl-stock-layout.gguf
+    LLAMA_CPP_LIB_PATH=build/stock .venv/bin/python docs/results/experiments/stock_runtime_check.py stock.gguf nbl-stock-layout.gguf
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 PROMPT = "What is the capital of France?"
 

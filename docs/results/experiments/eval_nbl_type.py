@@ -4,7 +4,7 @@ One JSON line per (m, type): the file's bytes, the stock and NBL perplexity on e
 held-out text (llama-perplexity; rows written before issue 22 hold C4's alone, at the top level), and
 which layers.
 
-    python scripts/eval_nbl_type.py --model Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf \\
+    python docs/results/experiments/eval_nbl_type.py --model Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf \\
         --calibration bench-results/dtypes-qwen/calibration-bf16 --ms 4,8 --types default,q4_k,q5_k,q6_k,q8_0,f16 \\
         --out docs/results/nbl-type-qwen.jsonl
 
@@ -15,7 +15,7 @@ The same for past-token maps (issue 19, point 4): --taps 1,4 converts each row w
 artifact calibrated with --taps 4 holds both maps), and an HF --model takes --quants instead of
 --types (the whole file in that type, as `convert --quant`); a taps row also records the state bytes:
 
-    python scripts/eval_nbl_type.py --model "$(python -c 'from nbl_gguf import models; print(models.default_model_dir())')" \
+    python docs/results/experiments/eval_nbl_type.py --model "$(python -c 'from nbl_gguf import models; print(models.default_model_dir())')" \
         --calibration CAL --ms 4,8,12 --quants q8_0,q4_k_m --taps 1,4 --out docs/results/taps-quality-smollm2.jsonl
 """
 
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 
 def main(argv=None) -> int:

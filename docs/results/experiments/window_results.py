@@ -1,7 +1,7 @@
 """Window layers measured on one model (docs/results/window.md): which layers, at what cost, against the
 stock file and the NBL files of the same m.
 
-    python scripts/window_results.py --model STOCK.gguf -o docs/results/window/NAME \
+    python docs/results/experiments/window_results.py --model STOCK.gguf -o docs/results/window/NAME \
         [--m 4,8,12,half] [--sizes 512] [--extra-sizes 128,2048] [--sinks 4] [--compare LABEL=GGUF ...]
 
 1. The ranking: calibration.windows.choose_windows on the selection text of each bundled kind at 4,096
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, bundled_selection_windows, write_evaluation_text  # noqa: E402

@@ -4,8 +4,8 @@
 (relative Frobenius norm of W per layer), their chosen layers, the held-out perplexity of the two NBL
 files (llama-perplexity, convert's summary) and the calibration's time.
 
-  python scripts/compare_dtypes.py --out bench-results/dtypes-smollm2 -- --m 12 --quant q8_0
-  python scripts/compare_dtypes.py --out bench-results/dtypes-qwen -- --model Qwen.gguf --m 8
+  python docs/results/experiments/compare_dtypes.py --out bench-results/dtypes-smollm2 -- --m 12 --quant q8_0
+  python docs/results/experiments/compare_dtypes.py --out bench-results/dtypes-qwen -- --model Qwen.gguf --m 8
 
 Arguments after -- go to `convert` as they are. Writes OUT/summary.json and prints a markdown row.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from nbl_gguf.calibration.artifact import load_artifact  # noqa: E402
 

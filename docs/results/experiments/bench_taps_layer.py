@@ -2,8 +2,8 @@
 tokens (float32 partial sums, as the calibrator) and the default low-rank solve; time and, under
 /usr/bin/time -v, peak RSS. The 8B shape (d = 4096, 16 x 2048 tokens):
 
-    PYTHONPATH=. /usr/bin/time -v .venv/bin/python scripts/bench_taps_layer.py
-    PYTHONPATH=. python3 scripts/bench_taps_layer.py --device cuda      # and peak GPU memory
+    PYTHONPATH=. /usr/bin/time -v .venv/bin/python docs/results/experiments/bench_taps_layer.py
+    PYTHONPATH=. python3 docs/results/experiments/bench_taps_layer.py --device cuda      # and peak GPU memory
 """
 import argparse
 import time
