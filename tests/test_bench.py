@@ -296,14 +296,14 @@ def test_bench_makes_the_largest_m_first_then_reuses_its_calibration(tmp_path, m
 
     monkeypatch.setattr(convert, "convert", fake_convert)
     args = _args(m=[4, 12, 8])
-    nbl, commands = bench.nbl_by_convert(args, "model.gguf", tmp_path, "", [], log=lambda _: None)
+    nbl, commands = bench.nbl_by_convert(args, "model.gguf", tmp_path, "", {}, log=lambda _: None)
     calibration = str(tmp_path / "calibration")
     assert calls == [(12, None, calibration, None), (8, calibration, None, None), (4, calibration, None, None)]
     assert [(c.label, c.path.name) for c in nbl] == [("nbl-m4", "nbl-m4.gguf"), ("nbl-m12", "nbl-m12.gguf"),
                                                      ("nbl-m8", "nbl-m8.gguf")]
     assert [" --m 12 " in commands[0], " --m 8 " in commands[1], " --m 4 " in commands[2]] == [True] * 3
     calls.clear()
-    bench.nbl_by_convert(args, "model.gguf", tmp_path, "", [], log=lambda _: None)
+    bench.nbl_by_convert(args, "model.gguf", tmp_path, "", {}, log=lambda _: None)
     assert calls == []
 
 
@@ -327,7 +327,7 @@ def test_no_progress_reaches_the_conversions_bench_makes(tmp_path, monkeypatch, 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--m", "4,8", *flag])
-    _, commands = bench.nbl_by_convert(args, "model.gguf", tmp_path, "", [], log=lambda _: None)
+    _, commands = bench.nbl_by_convert(args, "model.gguf", tmp_path, "", {}, log=lambda _: None)
     assert bars == [shown, shown]
     assert all(("--no-progress" in command) != shown for command in commands)
 

@@ -115,7 +115,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, settings) -> tuple[subprocess.Popen, int, list[str]]:
+def start_server(model: Path, settings: SoakSettings) -> tuple[subprocess.Popen, int, list[str]]:
     port = settings.port or free_port()
     command = [str(tool("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(settings.clients), "-c", str(settings.clients * settings.ctx_per_slot),
@@ -137,7 +137,7 @@ def start_server(model: Path, settings) -> tuple[subprocess.Popen, int, list[str
         time.sleep(0.2)
 
 
-def complete(port: int, prompt: str, settings) -> dict:
+def complete(port: int, prompt: str, settings: SoakSettings) -> dict:
     body = {"prompt": prompt, "n_predict": settings.n_predict, "temperature": 0.0, "top_k": 1, "seed": settings.seed,
             "cache_prompt": not settings.no_cache_prompt, "return_tokens": True, "n_probs": 2}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
@@ -186,19 +186,19 @@ def margins(result: dict) -> list[float | None]:
     return out
 
 
-def reference_pass(port: int, prompts: list[dict], settings) -> dict[int, dict]:
+def reference_pass(port: int, prompts: list[dict], settings: SoakSettings) -> dict[int, dict]:
     reference = {}
     for prompt in prompts:
         result = complete(port, prompt["prompt"], settings)
         if result["truncated"]:
-            raise SystemExit(f"prompt {prompt['id']} ({prompt['kind']}) does not fit --ctx-per-slot {settings.ctx_per_slot}")
+            raise NblError(f"prompt {prompt['id']} ({prompt['kind']}) does not fit --ctx-per-slot {settings.ctx_per_slot}")
         reference[prompt["id"]] = {"content": result["content"], "tokens": result["tokens"],
                                    "prompt_tokens": result["tokens_evaluated"], "margins": margins(result)}
     return reference
 
 
 class Soak:
-    def __init__(self, port: int, prompts: list[dict], reference: dict[int, dict], settings):
+    def __init__(self, port: int, prompts: list[dict], reference: dict[int, dict], settings: SoakSettings):
         self.port, self.prompts, self.reference, self.settings = port, prompts, reference, settings
         self.lock = threading.Lock()
         self.sent = 0
@@ -254,7 +254,7 @@ class Soak:
     def run(self) -> float:
         started = time.monotonic()
         deadline = started + self.settings.duration
-        threads = [threading.Thread(target=self.client, settings=(i, deadline)) for i in range(self.settings.clients)]
+        threads = [threading.Thread(target=self.client, args=(i, deadline)) for i in range(self.settings.clients)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -292,7 +292,7 @@ def memory_report(samples: list[tuple[float, int]], soak_start: float, soak_end:
     }
 
 
-def summarize(records: list[dict], reference: dict, max_in_flight: int, seconds: float, memory: dict, settings) -> dict:
+def summarize(records: list[dict], reference: dict, max_in_flight: int, seconds: float, memory: dict, settings: SoakSettings) -> dict:
     failed = [r for r in records if not r["ok"]]
     done = [r for r in records if r["ok"]]
     different = [r for r in done if not r["same"]]
