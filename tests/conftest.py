@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -35,8 +34,9 @@ if _WORKER:
     _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(_name, str(_threads))
-    _base = Path(os.environ.get("NBL_GGUF_CACHE") or Path.home() / ".cache" / "nbl-gguf")
-    os.environ["NBL_GGUF_CACHE"] = str(_base / f"test-worker-{_WORKER}")
+    from nbl_gguf.models import cache_dir
+
+    os.environ["NBL_GGUF_CACHE"] = str(cache_dir() / f"test-worker-{_WORKER}")
 
 SLOW_FIXTURES = {
     "embedded_calibration",  # below
