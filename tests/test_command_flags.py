@@ -120,9 +120,20 @@ def test_calibrate_flags_are_the_calibration_settings():
     from nbl_gguf.calibration.settings import Settings
     from nbl_gguf.commands import calibrate, convert
 
+    from nbl_gguf.calibration.refine import RefineSettings
+    from nbl_gguf.commands import flags
+
     parser = parsers()["calibrate"]
-    assert {a.dest for a in parser._actions if a.dest != "help"} == set(Settings.names())
+    refine = set(flags.group_names(flags.add_refine_arguments))
+    assert {a.dest for a in parser._actions if a.dest != "help"} - refine == set(Settings.names())
     assert asdict(calibrate.settings(parser.parse_args([]))) == asdict(Settings())
+    # the refinement's flags are RefineSettings' fields after 'refine_' (and --seed, --memory-budget, --no-progress)
+    shared = {"seed", "memory_budget", "no_progress"}
+    assert {name.removeprefix("refine_") for name in refine - {"refine"}} | shared == set(asdict(RefineSettings()))
+    for command in ("calibrate", "convert"):
+        assert flags.refine_settings(parsers()[command].parse_args([])) == RefineSettings()
+        assert flags.refine_settings(parsers()[command].parse_args(["--refine-lr", "0.5", "--seed", "3"])) == \
+            RefineSettings(lr=0.5, seed=3)
     assert set(convert.CALIBRATION_FLAGS) <= set(Settings.names())
     args = parsers()["convert"].parse_args(["--threads", "3", "--dtype", "fp32", "--criterion", "cca", "--nsamples", "5"])
     settings = convert.calibration_settings(args, "out-dir", "model-dir", taps=4)

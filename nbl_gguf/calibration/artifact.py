@@ -5,6 +5,9 @@
                      calibrated with --save-covariances); no block.* when calibrated with --targets attn
     report.json      provenance, per-layer scores, ridge, ranking, selection, timings, versions
     scores.png       per-layer scores with the selection marked
+    refined-*.safetensors  (after calibrate/convert --refine) the refined maps of one set of layers, under
+                     the same names as their LMMSE maps, which stay; report.json's "refine" names the
+                     file and says what was refined and how far the held-out loss moved
 """
 
 from __future__ import annotations
@@ -111,10 +114,18 @@ def save_safetensors(path: Path, tensors: Mapping, metadata: dict[str, str]) -> 
 
 
 class CalibrationArtifact:
-    def __init__(self, path: Path, report: dict, tensors: dict[str, np.ndarray]):
+    def __init__(self, path: Path, report: dict, tensors: dict[str, np.ndarray], refined=None):
         self.path = path
         self.report = report
         self.tensors = tensors
+        self.refined = refined  # the refined maps' tensors (report["refine"]), or None
+
+    def refined_for(self, layers, taps: int) -> bool:
+        """Whether the artifact holds maps refined for exactly these replaced layers with maps of ``taps``
+        tokens (a refinement tunes a set of layers together: it holds for that set only)."""
+        refine = self.report.get("refine")
+        return bool(refine) and self.refined is not None and sorted(refine["layers"]) == sorted(layers) \
+            and int(refine.get("taps", 1)) == int(taps)
 
     @property
     def num_layers(self) -> int:
@@ -131,34 +142,43 @@ class CalibrationArtifact:
             raise NblError(f"the calibration in {self.path} has no {target} statistics: "
                            f"run calibrate again with --targets attn,block")
 
-    def linear(self, layer: int, target: str = "attn") -> tuple[np.ndarray, np.ndarray]:
-        """(W [d, d], b [d]) float32 with y = W x + b, for the attention or the whole block."""
+    def linear(self, layer: int, target: str = "attn", refined: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(W [d, d], b [d]) float32 with y = W x + b, for the attention or the whole block (``refined``:
+        the refined attention map; check refined_for first)."""
         self._check_target(target)
         if not 0 <= layer < self.num_layers:
             raise NblError(f"layer {layer} out of range (the model has {self.num_layers})")
         d = self.report["model"].get("hidden_size")
-        weight = self._tensor(f"{target}.{layer}.weight", None if d is None else (d, d))
-        bias = self._tensor(f"{target}.{layer}.bias", None if d is None else (d,))
+        tensors = self._refined_tensors() if refined else None
+        weight = self._tensor(f"{target}.{layer}.weight", None if d is None else (d, d), tensors)
+        bias = self._tensor(f"{target}.{layer}.bias", None if d is None else (d,), tensors)
         return weight, bias
+
+    def _refined_tensors(self):
+        if self.refined is None:
+            raise NblError(f"the calibration in {self.path} holds no refined maps: calibrate or convert with --refine")
+        return self.refined
 
     @property
     def taps(self) -> int:
         """Tokens its past-token maps read (calibrate --taps); 1 when it has per-token maps only."""
         return int(self.report["selection"].get("taps", 1))
 
-    def taps_map(self, layer: int):
-        """The calibration.taps.TapsMap of ``layer`` (float32 tensors), checked like the linear maps."""
+    def taps_map(self, layer: int, refined: bool = False):
+        """The calibration.taps.TapsMap of ``layer`` (float32 tensors), checked like the linear maps
+        (``refined``: its refined map; check refined_for first)."""
         from nbl_gguf.calibration.taps import map_from_tensors
 
         if self.taps < 2:
             raise NblError(f"the calibration in {self.path} has no past-token maps: calibrate with --taps K (K > 1)")
         if not 0 <= layer < self.num_layers:
             raise NblError(f"layer {layer} out of range (the model has {self.num_layers})")
-        return map_from_tensors(lambda name: self._tensor(name, None), layer, self.taps, self.tensors)
+        tensors = self._refined_tensors() if refined else self.tensors
+        return map_from_tensors(lambda name: self._tensor(name, None, tensors), layer, self.taps, tensors)
 
-    def _tensor(self, name: str, shape: tuple[int, ...] | None) -> np.ndarray:
+    def _tensor(self, name: str, shape: tuple[int, ...] | None, tensors=None) -> np.ndarray:
         """A map tensor, checked: an edited or damaged artifact must not reach a GGUF."""
-        tensor = self.tensors.get(name)
+        tensor = (self.tensors if tensors is None else tensors).get(name)
         if tensor is None:
             raise NblError(f"the calibration in {self.path} has no tensor {name} ({WEIGHTS} is incomplete)")
         if shape is not None and tuple(tensor.shape) != shape:
@@ -255,7 +275,43 @@ def load_artifact(path: str | os.PathLike) -> CalibrationArtifact:
         tensors = LazyTensors([path / WEIGHTS])
     except Exception as error:  # noqa: BLE001 - safetensors raises its own error type for damaged files
         raise NblError(f"{path / WEIGHTS} is not a readable safetensors file ({error})") from error
-    return CalibrationArtifact(path, report, tensors)
+    refined = None
+    if report.get("refine"):
+        name = report["refine"].get("weights")
+        if not isinstance(name, str) or not (path / name).is_file():
+            raise NblError(f"{path / REPORT} records refined maps in {name!r}, which is not in {path}")
+        try:
+            refined = LazyTensors([path / name])
+        except Exception as error:  # noqa: BLE001 - as above
+            raise NblError(f"{path / name} is not a readable safetensors file ({error})") from error
+    return CalibrationArtifact(path, report, tensors, refined)
+
+
+def save_refined(path: str | os.PathLike, report: dict, tensors: dict[str, np.ndarray]) -> None:
+    """Add refined maps to the artifact at ``path``: their own file (named by its content, so that the
+    report in place always names the file it was written with), then the report, each renamed into
+    place; the refined maps of an earlier refinement are removed after."""
+    import hashlib
+
+    path = Path(path)
+    artifact = load_artifact(path)
+    content = hashlib.sha256()
+    for name in sorted(tensors):
+        content.update(name.encode() + np.ascontiguousarray(tensors[name]).tobytes())
+    name = f"refined-{content.hexdigest()[:16]}.safetensors"
+    tmp = path / f".{name}.tmp"
+    try:
+        save_safetensors(tmp, tensors, metadata={"format": "nbl-calibration-refined"})
+        os.replace(tmp, path / name)
+        full = {**artifact.report, "refine": {**report, "weights": name}}
+        tmp = path / f".{REPORT}.tmp"
+        tmp.write_text(json.dumps(full, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path / REPORT)
+    finally:
+        tmp.unlink(missing_ok=True)
+    for old in path.glob("refined-*.safetensors"):
+        if old.name != name:
+            old.unlink(missing_ok=True)
 
 
 def write_artifact(path: str | os.PathLike, report: dict, tensors: dict[str, np.ndarray], plot=None) -> Path:

@@ -92,5 +92,24 @@ def describe_selection(selection: dict, num_layers: int) -> str:
 def describe_artifact(artifact) -> str:
     """What a calibration says when it is done: its selection and where the artifact went."""
     report = artifact.report
-    return (describe_selection(report["selection"], artifact.num_layers) + "\n"
+    refine = f"{describe_refine(report['refine'])}\n" if report.get("refine") else ""
+    return (describe_selection(report["selection"], artifact.num_layers) + "\n" + refine
             + f"artifact: {artifact.path}  ({report['data']['tokens']} tokens, timings {report['timings_s']})")
+
+
+def describe_refine(refine: dict) -> str:
+    """The refinement's line: what moved and how far the held-out loss went, per kind of text, as the
+    perplexity increase over the unmodified model with the LMMSE maps and with the refined ones."""
+    import math
+
+    held = refine["heldout"]
+    kinds = [kind for kind in held["unmodified_nll"]]
+    parts = []
+    for kind in kinds:
+        base = held["unmodified_nll"][kind]
+        before, after = (100 * (math.exp(held[key][kind] - base) - 1) for key in ("lmmse_nll", "refined_nll"))
+        parts.append(f"{kind} {before:+.1f}% -> {after:+.1f}%")
+    steps = (f"{refine['steps']} steps, kept step {refine['best_step']} ({refine['stopped']})"
+             if "best_step" in refine else f"{refine.get('epochs', '?')} epochs a layer")
+    return (f"refined ({refine['form']} form) the maps of layers {', '.join(map(str, refine['layers']))}: {steps}, "
+            f"{refine['seconds']:.0f} s; held-out perplexity vs unmodified, LMMSE -> refined: {'; '.join(parts)}")

@@ -184,6 +184,10 @@ class CalibrationState:
     def layer_entry(self, layer: int) -> dict:
         return json.loads((self.folder / f"layer-{layer}.json").read_text(encoding="utf-8"))
 
+    def save_bytes(self, name: str, data: bytes) -> None:
+        """``name`` in the state folder, replaced whole (a reader sees the old or the new file)."""
+        self._atomic_write(name, data)
+
     def save_json(self, name: str, value) -> None:
         self._atomic_write(name, json.dumps(value).encode())
 

@@ -206,9 +206,11 @@ class LayerStream:
     def release_layer(self, index: int) -> None:
         weight_io.release_parameters(self.model, self.layer_prefix(index))
 
-    def run_layer(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+    def run_layer(self, index: int, hidden: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        """Layer ``index``'s output for ``hidden``; ``grad``: with autograd (calibration.refine's streamed form
+        trains a replaced layer's map)."""
         args, kwargs = self.calls(hidden.shape[0], hidden.shape[1])[index]
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             return _first(self.layers[index](hidden.to(self.device), *args, **kwargs))
 
     # --- the LM head ------------------------------------------------------------------------------------

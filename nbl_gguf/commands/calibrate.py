@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-covariances", action="store_true",
                         help="also store float64 covariances (3 d x d per layer and target; large)")
     flags.add_no_progress(parser)
+    flags.add_refine_arguments(parser)
 
 
 def settings(args: argparse.Namespace) -> Settings:
@@ -43,7 +44,18 @@ def settings(args: argparse.Namespace) -> Settings:
 def run(args: argparse.Namespace) -> int:
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.calibration.calibrate import calibrate
+    from nbl_gguf.calibration.refine import check_refinable, refine_artifact
     from nbl_gguf.calibration.report import describe_artifact
+    from nbl_gguf.model_source import resolve_model
 
-    print(describe_artifact(load_artifact(calibrate(settings(args)))))
+    chosen = settings(args)
+    refine = flags.refine_settings(args) if args.refine else None
+    if refine is not None:
+        refine.check()  # before the calibration: a typo costs nothing
+        check_refinable(chosen.method)
+    path = calibrate(chosen)
+    artifact = load_artifact(path)
+    if refine is not None:
+        artifact = refine_artifact(path, resolve_model(chosen.model), chosen, artifact.select(), refine)
+    print(describe_artifact(artifact))
     return 0

@@ -30,7 +30,7 @@ from nbl_gguf.commands.convert_summary import Summary, resources_table
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf.from_artifact import (RUNTIMES, LayerChoice, TapsRequest, check_method, check_stock_runtime,
                                          check_taps, chosen_layers, gguf_notes, linear_map, provenance,
-                                         recorded_scores, taps_maps, weight_notes, writer)
+                                         recorded_scores, taps_maps, uses_refined, weight_notes, writer)
 from nbl_gguf.gguf.quantize import FLOAT_TYPES, check_quant
 from nbl_gguf.outputs import check_output_dir, check_output_file
 from nbl_gguf.usage import StageMeter
@@ -87,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "llama-perplexity (default: theirs)")
     flags.add_seed(parser, "the calibration and llama-imatrix")
     flags.add_no_progress(parser)
+    flags.add_refine_arguments(parser)
     parser.add_argument("--kv-budget", default=None, metavar="SIZE",
                         help="the KV cache budget at --ctx-size (e.g. 640MiB, 1.5GiB): convert chooses the KV type "
                              "(f16, q8_0, q4_0) and m, each type with the fewest layers that fit, by measured held-out "
@@ -251,12 +252,16 @@ def convert(args) -> Summary:
         raise NblError(f"--calibration {args.calibration}: no such artifact directory")
     if args.eval_chunks < 1:
         raise NblError(f"--eval-chunks must be at least 1, got {args.eval_chunks}")
+    if args.refine:
+        check_refine(args, method)
 
     steps = ["calibrate" if not args.calibration else "load calibration"]
     if source.gguf is None:
         steps.append("stock conversion")
         if quant not in FLOAT_TYPES:
             steps += (["imatrix"] if args.imatrix else []) + ["quantize stock"]
+    if args.refine:
+        steps.append("refine")
     if args.windows:
         steps.append("window layers")
     steps.append("NBL surgery")
@@ -276,11 +281,11 @@ def convert(args) -> Summary:
         tmp = Path(tmp)
         # 1. calibration
         with stage(steps[0]):
+            model = source.gguf.path if source.gguf is not None else source.hf_folder()
             if args.calibration:
                 artifact = load_artifact(args.calibration)
             else:
                 target = Path(args.save_calibration) if args.save_calibration else tmp / "calibration"
-                model = source.gguf.path if source.gguf is not None else source.hf_folder()
                 artifact = load_artifact(calibrate(calibration_settings(args, target, model, taps)))
                 print(describe_artifact(artifact))
             if args.calibration and args.taps == "auto":
@@ -292,7 +297,17 @@ def convert(args) -> Summary:
             if artifact_hidden is not None and int(artifact_hidden) != hidden:
                 raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
             selected = chosen_layers(artifact, layer_choice(args), method, n_layer, taps)
-            layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
+        if args.refine:
+            # 1a. the chosen layers' maps tuned against the model's output, added to the artifact (unless it
+            # holds them already)
+            from nbl_gguf.calibration.refine import refine_artifact
+
+            with stage("refine"):
+                if selected and not artifact.refined_for(selected, taps):
+                    artifact = refine_artifact(artifact.path, source, calibration_settings(args, artifact.path, model,
+                                                                                           taps),
+                                               selected, flags.refine_settings(args))
+        layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
         if not args.calibration:
             # the calibration's own stages, measured inside it (layers, selection, ...)
             meter.merge(artifact.report.get("resources", {}), prefix="calibrate: ")
@@ -367,6 +382,10 @@ def convert(args) -> Summary:
             kv = {n_ctx: kv_sizes(output_reader, n_ctx, type_k=kv_type, type_v=kv_type) for n_ctx in contexts}
         else:
             kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types, type_k=kv_type, type_v=kv_type) for n_ctx in contexts}
+        if (layers.calibration or {}).get("refine"):
+            from nbl_gguf.calibration.report import describe_refine
+
+            notes.append(describe_refine(artifact.report["refine"]))
         return Summary(heldout=heldout, notes=notes,
             # attn-taps where the maps read past tokens: what nbl.method says
             model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=layers.method,
@@ -379,18 +398,35 @@ def convert(args) -> Summary:
         )
 
 
+def check_refine(args, method: str) -> None:
+    """--refine, checked before anything runs."""
+    from nbl_gguf.calibration.refine import check_refinable
+
+    flags.refine_settings(args).check()
+    check_refinable(method)
+    if args.runtime != "nbl":
+        raise NblError("--refine tunes the NBL layout's maps (with bias); --runtime stock writes bias-free maps, which "
+                       "are not refined: use --runtime nbl")
+    if args.kv_budget is not None:
+        raise NblError("--refine with --kv-budget: the budget measures several sets of layers, and a refinement holds "
+                       "for one; choose the set with --kv-budget first, then convert it with --m and --refine")
+
+
 def nbl_layers(artifact, args, source, method: str, n_layer: int, taps: int, selected: list[int]):
-    """The nbl_format.NblLayers of the file: ``selected`` replaced by the artifact's maps of ``method``."""
+    """The nbl_format.NblLayers of the file: ``selected`` replaced by the artifact's maps of ``method``
+    (its refined maps where it holds them for these layers)."""
     from nbl_gguf.gguf import nbl_format
 
     scores, scores_criterion = recorded_scores(artifact, args.criterion)
     layer_type = nbl_format.DROPPED if method == "attn-drop" else nbl_format.TAPS if taps > 1 else nbl_format.LINEAR
+    refined = method == "attn-nbl" and uses_refined(artifact, selected, taps, args.runtime)
     types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
-    linear = {i: linear_map(artifact, i, args.runtime) for i in selected if layer_type == nbl_format.LINEAR}
-    past = taps_maps(artifact, selected, taps) if layer_type == nbl_format.TAPS else {}
+    linear = {i: linear_map(artifact, i, args.runtime, refined) for i in selected if layer_type == nbl_format.LINEAR}
+    past = taps_maps(artifact, selected, taps, refined) if layer_type == nbl_format.TAPS else {}
     return nbl_format.NblLayers(types=types, linear=linear, taps=past, method="attn-taps" if past else method,
                                 criterion=args.criterion, scores=scores, scores_criterion=scores_criterion,
-                                calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf))
+                                calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf,
+                                                       refined=refined))
 
 
 def surgery(stock: Path, output: Path, layers, args, imatrix) -> dict:

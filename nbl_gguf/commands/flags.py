@@ -259,3 +259,53 @@ def task_files(args) -> dict[str, tuple[str | None, int | None]]:
     (measurement.tasks.check_task_files)."""
     return {"hellaswag": (args.hellaswag, args.hellaswag_tasks), "winogrande": (args.winogrande, args.winogrande_tasks),
             "multiple-choice": (args.multiple_choice, args.multiple_choice_tasks)}
+
+
+def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
+    """--refine and its settings (calibration.refine.RefineSettings, under the same names after 'refine_')."""
+    from nbl_gguf.calibration import refine
+
+    group = parser.add_argument_group("refinement")
+    group.add_argument("--refine", action="store_true",
+                       help="after the layers are chosen and fitted, tune their maps against the model's output "
+                            "(model: KL of the next-token distributions, the whole model in memory; streamed: each "
+                            "block's output, one layer in memory); the LMMSE maps stay in the artifact "
+                            "(docs/results/refine.md) (default: off)")
+    group.add_argument("--refine-form", default=refine.DEFAULT_FORM, choices=refine.FORMS,
+                       help=f"(default: {refine.DEFAULT_FORM})")
+    group.add_argument("--refine-tokens", type=positive_int, default=refine.DEFAULT_TOKENS, metavar="N",
+                       help=f"training tokens read (default: {refine.DEFAULT_TOKENS})")
+    group.add_argument("--refine-seqlen", type=positive_int, default=refine.DEFAULT_SEQLEN, metavar="N",
+                       help=f"tokens per training window, cut from the calibration windows (default: "
+                            f"{refine.DEFAULT_SEQLEN})")
+    group.add_argument("--refine-lr", type=float, default=None, metavar="LR",
+                       help="Adam's learning rate (default: " + ", ".join(f"{lr:g} for the {form} form" for form, lr in
+                                                                       refine.DEFAULT_LR.items()) + ")")
+    group.add_argument("--refine-top-k", type=positive_int, default=refine.DEFAULT_TOP_K, metavar="K",
+                       help=f"model form: the teacher's most likely tokens kept per position, the rest of its mass "
+                            f"as one (default: {refine.DEFAULT_TOP_K})")
+    group.add_argument("--refine-eval-every", type=positive_int, default=refine.DEFAULT_EVAL_EVERY, metavar="N",
+                       help=f"model form: steps between held-out evaluations and checkpoints (default: "
+                            f"{refine.DEFAULT_EVAL_EVERY})")
+    group.add_argument("--refine-patience", type=positive_int, default=refine.DEFAULT_PATIENCE, metavar="N",
+                       help=f"model form: evaluations without a better held-out loss before stopping (default: "
+                            f"{refine.DEFAULT_PATIENCE})")
+    group.add_argument("--refine-epochs", type=positive_int, default=refine.DEFAULT_STREAMED_EPOCHS, metavar="N",
+                       help=f"streamed form: passes over each layer's tokens (default: "
+                            f"{refine.DEFAULT_STREAMED_EPOCHS})")
+    group.add_argument("--refine-target", default=refine.DEFAULT_TARGET, choices=refine.TARGETS,
+                       help="streamed form: what each replaced block's output is matched to: the unmodified model's "
+                            "hidden state there (trajectory), or the unmodified block's output on the same inputs "
+                            f"(block) (default: {refine.DEFAULT_TARGET})")
+
+
+def refine_settings(args):
+    """calibration.refine.RefineSettings from the --refine-* flags (and --seed, --memory-budget,
+    --no-progress)."""
+    from nbl_gguf.calibration.refine import RefineSettings
+
+    return RefineSettings(form=args.refine_form, tokens=args.refine_tokens, seqlen=args.refine_seqlen,
+                          lr=args.refine_lr, top_k=args.refine_top_k, eval_every=args.refine_eval_every,
+                          patience=args.refine_patience, epochs=args.refine_epochs, target=args.refine_target,
+                          seed=args.seed,
+                          memory_budget=args.memory_budget, no_progress=args.no_progress)

@@ -104,13 +104,20 @@ def gguf_architecture(source) -> str | None:
     return models.get_adapter(json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))).gguf_arch
 
 
-def taps_maps(artifact, layers: list[int], taps: int) -> dict:
-    """The past-token maps of ``layers``, from an artifact calibrated with the same --taps."""
+def taps_maps(artifact, layers: list[int], taps: int, refined: bool = False) -> dict:
+    """The past-token maps of ``layers``, from an artifact calibrated with the same --taps (``refined``:
+    its refined maps of these layers)."""
     if artifact.taps != taps:
         raise NblError(f"--taps {taps}: the calibration in {artifact.path} has "
                        + ("no past-token maps" if artifact.taps < 2 else f"maps of {artifact.taps} tokens")
                        + f"; calibrate with --taps {taps} (or convert with --taps {artifact.taps})")
-    return {layer: artifact.taps_map(layer) for layer in layers}
+    return {layer: artifact.taps_map(layer, refined) for layer in layers}
+
+
+def uses_refined(artifact, layers: list[int], taps: int, runtime: str) -> bool:
+    """Whether the file gets the artifact's refined maps: refined for exactly these layers and maps, and
+    the NBL layout (the stock layout's bias-free maps are never refined)."""
+    return runtime == "nbl" and artifact.refined_for(layers, taps)
 
 
 @dataclass(frozen=True)
@@ -152,15 +159,15 @@ def recorded_scores(artifact, criterion: str) -> tuple[list[float] | None, str |
     return [float(s) for s in artifact.scores(criterion, "attn")], criterion
 
 
-def linear_map(artifact, layer: int, runtime: str):
-    """(W, b) for a linear layer: the fit with bias for the NBL layout, the bias-free one (b = 0) for the
-    stock layout, whose slot has no bias."""
+def linear_map(artifact, layer: int, runtime: str, refined: bool = False):
+    """(W, b) for a linear layer: the fit with bias for the NBL layout (``refined``: its refined map), the
+    bias-free one (b = 0) for the stock layout, whose slot has no bias."""
     if runtime == "stock":
         import numpy as np
 
         weight = artifact.linear_without_bias(layer)
         return weight, np.zeros(weight.shape[0], dtype=np.float32)
-    return artifact.linear(layer, "attn")
+    return artifact.linear(layer, "attn", refined)
 
 
 def check_stock_runtime(source) -> None:
@@ -238,9 +245,10 @@ def _gguf_py_version() -> str | None:
         return None
 
 
-def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=None) -> dict:
+def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=None, refined: bool = False) -> dict:
     """What the GGUF records about its calibration (no paths or timings: the bytes must be reproducible);
-    ``gguf``: the GGUF file (model_source.GgufFile) the NBL file was made from, by name and sha256."""
+    ``gguf``: the GGUF file (model_source.GgufFile) the NBL file was made from, by name and sha256;
+    ``refined``: the maps are the artifact's refined ones (what was refined, and how far it moved)."""
     from nbl_gguf import __version__
     from nbl_gguf.calibration.dataset import FILE_SUFFIXES
 
@@ -267,7 +275,13 @@ def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=
                      "llama.cpp": llama_cpp_commit(), "llama.cpp patches": llama_cpp_patches_sha256()},
         **_measured_selection(report.get("selection", {}), layers),
         **({"source_gguf": gguf.provenance()} if gguf is not None else {}),
+        **({"refine": _refine_record(report["refine"])} if refined else {}),
     }
+
+
+def _refine_record(refine: dict) -> dict:
+    """The refinement as the GGUF keeps it: what, how, and the held-out losses (not its time or file)."""
+    return {key: value for key, value in refine.items() if key not in ("seconds", "weights", "history", "device")}
 
 
 def _measured_selection(selection: dict, layers: list[int] | None) -> dict:

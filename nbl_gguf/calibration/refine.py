@@ -1,0 +1,617 @@
+"""Refinement: the replaced layers' maps tuned against the model's output, starting from their LMMSE fit.
+
+Every map is fitted to its own layer's attention output; what users see is the loss at the model's
+output, after every later layer has reacted to every replaced one. Refinement moves the maps only
+(W, b and the taps tensors of the chosen layers; the rest of the model frozen), in one of two forms:
+
+    model      KL(unmodified model || NBL model) of the next-token distributions on the calibration
+               windows, the whole model in memory: the teacher's top-k log-probabilities computed once
+               (the rest of its mass kept as one outcome), Adam on the maps, early stopping on the
+               selection's held-out windows (the maps of the best evaluation are kept).
+    streamed   one decoder layer in memory, as the calibration: each replaced layer's map tuned so that
+               its decoder block's output (after the MLP) matches the unmodified block's on the inputs
+               that the already-refined earlier layers produce (mean squared error), then the next.
+
+Both are deterministic for a seed and resumable (the state folder of calibration.resume). What was
+refined and how far the held-out loss moved is recorded in the artifact (``save_refined``), whose
+LMMSE maps stay as they are: a refinement holds for its set of layers only.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+from nbl_gguf import models
+from nbl_gguf.errors import NblError
+
+FORMS = ("model", "streamed")
+DEFAULT_FORM = "model"
+# half the CPU calibration's tokens (32 x 2048), read DEFAULT_SEQLEN at a time (docs/results/refine.md)
+DEFAULT_TOKENS = 32768
+DEFAULT_SEQLEN = 512
+# Adam's step: SmolLM2 m = 12 taps, 16384 tokens: 2e-5 closed 11% of the held-out gap, 1e-4 18%, 4e-4 23%,
+# 1e-3 21% and noisier (docs/results/refine.md); the streamed form's per-layer loss takes a larger one
+DEFAULT_LR = {"model": 4e-4, "streamed": 1e-3}
+DEFAULT_TOP_K = 32
+DEFAULT_EVAL_EVERY = 8  # steps between held-out evaluations (and checkpoints)
+DEFAULT_PATIENCE = 2  # evaluations without a better held-out loss before stopping
+DEFAULT_STREAMED_EPOCHS = 3  # passes of the streamed form over each layer's tokens
+# SmolLM2 m = 12 taps, 16384 tokens, 3 epochs: the trajectory closed 7% of the held-out gap, the block's own
+# output 1% (docs/results/refine.md)
+TARGETS = ("trajectory", "block")
+DEFAULT_TARGET = "trajectory"
+REFINED_WEIGHTS = "refined.safetensors"
+
+
+@dataclass(frozen=True)
+class RefineSettings:
+    """What a refinement is asked for: calibrate's and convert's --refine-* options."""
+
+    form: str = DEFAULT_FORM
+    tokens: int = DEFAULT_TOKENS  # training tokens read (steps x seqlen)
+    seqlen: int = DEFAULT_SEQLEN
+    lr: float | None = None  # None: DEFAULT_LR of the form
+    top_k: int = DEFAULT_TOP_K
+    eval_every: int = DEFAULT_EVAL_EVERY
+    patience: int = DEFAULT_PATIENCE
+    epochs: int = DEFAULT_STREAMED_EPOCHS
+    # streamed form: the unmodified model's own hidden state after the block ("trajectory", so that a layer
+    # also corrects what the earlier replaced ones changed), or the unmodified block's output on the same
+    # inputs ("block")
+    target: str = DEFAULT_TARGET
+    seed: int = 0
+    memory_budget: float | None = None  # GiB; None: half the memory available (settings.memory_budget_bytes)
+    no_progress: bool = False
+
+    def check(self) -> None:
+        if self.form not in FORMS:
+            raise NblError(f"--refine-form {self.form!r}: use {' or '.join(FORMS)}")
+        for name, value, least in (("--refine-tokens", self.tokens, 1), ("--refine-seqlen", self.seqlen, 2),
+                                   ("--refine-top-k", self.top_k, 1), ("--refine-eval-every", self.eval_every, 1),
+                                   ("--refine-patience", self.patience, 1), ("--refine-epochs", self.epochs, 1)):
+            if value < least:
+                raise NblError(f"{name} must be at least {least}, got {value}")
+        if self.lr is not None and (not self.lr > 0 or not math.isfinite(self.lr)):
+            raise NblError(f"--refine-lr must be a positive number, got {self.lr}")
+        if self.target not in TARGETS:
+            raise NblError(f"--refine-target {self.target!r}: use {' or '.join(TARGETS)}")
+
+    @property
+    def learning_rate(self) -> float:
+        return DEFAULT_LR[self.form] if self.lr is None else self.lr
+
+
+@dataclass
+class Refined:
+    """The refined maps of ``layers`` ({layer: (W, b)} for per-token maps, {layer: TapsMap} for taps)
+    and the report the artifact keeps."""
+
+    layers: list[int]
+    taps: int
+    maps: dict
+    report: dict = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The maps under the artifact's names (artifact.save_refined)."""
+        from nbl_gguf.calibration.taps import map_tensors
+
+        tensors = {}
+        for layer, value in self.maps.items():
+            if self.taps > 1:
+                tensors.update(map_tensors(layer, value))
+            else:
+                tensors[f"attn.{layer}.weight"], tensors[f"attn.{layer}.bias"] = value
+        return tensors
+
+
+# --- the maps as parameters ---------------------------------------------------------------------------
+
+def map_modules(model, layers: list[int]) -> dict[int, nn.Module]:
+    """The stand-in attention modules (apply.py) of the replaced ``layers``."""
+    adapter = models.get_adapter(model)
+    decoder = models.decoder_layers(model)
+    return {layer: getattr(decoder[layer], adapter.attn) for layer in layers}
+
+
+def make_trainable(modules: dict[int, nn.Module]) -> list[nn.Parameter]:
+    """The maps' tensors (buffers of apply.py's modules) as float32 parameters, in a fixed order; every
+    other parameter of the model is frozen by the caller."""
+    params = []
+    for layer in sorted(modules):
+        module = modules[layer]
+        for name in sorted(module._buffers):
+            tensor = module._buffers[name]
+            if tensor is None:
+                continue
+            del module._buffers[name]
+            parameter = nn.Parameter(tensor.detach().clone().float())
+            module.register_parameter(name, parameter)
+            params.append(parameter)
+    return params
+
+
+def read_maps(modules: dict[int, nn.Module], taps: int) -> dict:
+    """The modules' maps in the artifact's form: (W, b) float32, or a TapsMap."""
+    from nbl_gguf.calibration.taps import TENSOR_NAMES, TapsMap
+
+    maps = {}
+    for layer, module in sorted(modules.items()):
+        tensors = {name: getattr(module, name).detach().cpu().numpy().astype(np.float32).copy()
+                   for name in ("weight", "bias", *TENSOR_NAMES) if getattr(module, name, None) is not None}
+        if taps > 1:
+            maps[layer] = TapsMap(taps=taps, **tensors)
+        else:
+            maps[layer] = (tensors["weight"], tensors["bias"])
+    return maps
+
+
+def _parameter_state(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params]
+
+
+def _load_parameters(params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+
+
+# --- what fits in memory ------------------------------------------------------------------------------
+
+def model_bytes(config, form: str, seqlen: int, dtype) -> tuple[int, str]:
+    """(peak bytes, what they are) of a refinement: the model's weights (all, or one layer's for the
+    streamed form) and the activations autograd keeps for one window of ``seqlen`` tokens."""
+    text = models.text_config(config)
+    d, n_layer = int(text.hidden_size), int(text.num_hidden_layers)
+    ffn = int(getattr(text, "intermediate_size", 4 * d))
+    vocab = int(text.vocab_size)
+    width = torch.finfo(dtype).bits // 8
+    per_layer_weights = (4 * d * d + 3 * d * ffn) * width
+    weights = (n_layer * per_layer_weights + vocab * d * width) if form == "model" else 2 * per_layer_weights
+    # autograd keeps, per token and layer, about a dozen d-wide tensors and four ffn-wide ones (norms,
+    # projections, SiLU and its product), in float32 where our maps run
+    per_token_layer = (12 * d + 4 * ffn) * 4
+    if form == "model":
+        activations = seqlen * (n_layer * per_token_layer + 3 * vocab * 4)  # logits, log-softmax, their grad
+    else:
+        activations = seqlen * per_token_layer * 2
+    what = (f"{'the model' if form == 'model' else 'one layer'}'s weights {weights / 2**30:.2f} GiB and the activations "
+            f"of a {seqlen}-token window {activations / 2**30:.2f} GiB")
+    return weights + activations, what
+
+
+def check_memory(config, settings: RefineSettings, dtype, available: int) -> None:
+    """Refuse a refinement that would not fit, before anything is loaded."""
+    needed, what = model_bytes(config, settings.form, settings.seqlen, dtype)
+    if needed > available:
+        other = " (or --refine-form streamed, one layer in memory)" if settings.form == "model" else ""
+        raise NblError(f"--refine ({settings.form}) needs about {needed / 2**30:.2f} GiB: {what}; "
+                       f"{available / 2**30:.2f} GiB are available to it: use a shorter --refine-seqlen{other}")
+
+
+# --- the data -----------------------------------------------------------------------------------------
+
+def training_pieces(ids: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """The calibration windows [n, L] cut into pieces of ``seqlen`` tokens [m, seqlen] (a piece is a
+    window's beginning or continues it: each starts its own context, as a calibration window does)."""
+    n, length = ids.shape
+    seqlen = min(seqlen, length)
+    per = length // seqlen
+    return ids[:, :per * seqlen].reshape(n * per, seqlen)
+
+
+def step_order(count: int, steps: int, seed: int) -> list[int]:
+    """Which piece each step reads: a fresh permutation of the pieces each epoch, from the seed alone (so
+    a resumed run reads what an uninterrupted one would)."""
+    order = []
+    epoch = 0
+    while len(order) < steps:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order += torch.randperm(count, generator=generator).tolist()
+        epoch += 1
+    return order[:steps]
+
+
+# --- the model form -------------------------------------------------------------------------------------
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids, use_cache=False)
+    return out.logits.float()
+
+
+def teacher_top_k(model, pieces: torch.Tensor, k: int, progress) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities [m, seqlen, k] float32, their token ids [m, seqlen, k] int64) of the unmodified
+    model's k most likely next tokens at every position of every piece."""
+    values, indices = [], []
+    with torch.no_grad():
+        for i in range(pieces.shape[0]):
+            logp = torch.log_softmax(_logits(model, pieces[i:i + 1]), -1)
+            top = logp.topk(k, dim=-1)
+            values.append(top.values[0])
+            indices.append(top.indices[0])
+            progress.update()
+    return torch.stack(values), torch.stack(indices)
+
+
+def distillation_loss(student_logits: torch.Tensor, top_logp: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per position, mean: the teacher's top-k outcomes and one more, "any other
+    token", which holds the rest of each side's mass (so the student is not rewarded for moving mass
+    off the teacher's top-k)."""
+    logp = torch.log_softmax(student_logits, -1)
+    student_top = logp.gather(-1, top_ids)
+    # log of the student's mass outside the teacher's top-k: logsumexp over the other tokens
+    masked = logp.scatter(-1, top_ids, float("-inf"))
+    student_rest = torch.logsumexp(masked, -1)
+    teacher_p = top_logp.exp()
+    teacher_rest_p = (1 - teacher_p.sum(-1)).clamp_min(1e-12)
+    kl_top = (teacher_p * (top_logp - student_top)).sum(-1)
+    kl_rest = teacher_rest_p * (teacher_rest_p.log() - student_rest)
+    return (kl_top + kl_rest).mean()
+
+
+def heldout_nll(model, heldout: torch.Tensor, progress=None) -> np.ndarray:
+    """Mean next-token NLL of each held-out window [windows] (float64)."""
+    values = []
+    with torch.no_grad():
+        for i in range(heldout.shape[0]):
+            logits = _logits(model, heldout[i:i + 1])
+            nll = torch.nn.functional.cross_entropy(logits[0, :-1], heldout[i, 1:], reduction="mean")
+            values.append(float(nll))
+            if progress is not None:
+                progress.update()
+    return np.array(values, dtype=np.float64)
+
+
+def _kinds_report(nll: np.ndarray, kinds: list[str] | None) -> dict:
+    """{kind: mean NLL} of the held-out windows, and 'all'."""
+    report = {"all": float(nll.mean())}
+    if kinds:
+        for kind in dict.fromkeys(kinds):
+            report[kind] = float(np.mean([v for v, k in zip(nll, kinds) if k == kind]))
+    return report
+
+
+class _Checkpoints:
+    """The refinement's resume files in a resume.CalibrationState folder (None: no resume)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def load(self, name: str):
+        if self.state is None or not self.state.path(name).is_file():
+            return None
+        return torch.load(self.state.path(name), weights_only=False)
+
+    def save(self, name: str, value) -> None:
+        if self.state is None:
+            return
+        import io
+
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        self.state.save_bytes(name, buffer.getvalue())
+
+
+def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: torch.Tensor, heldout: torch.Tensor,
+                 settings: RefineSettings, state=None, kinds: list[str] | None = None, log=None) -> Refined:
+    """The model form. ``model``: the unmodified model, in memory (its replaced layers are swapped in
+    here: apply.apply_nbl of ``layers`` as ``layer_type`` with ``maps``, the LMMSE fit); ``pieces``:
+    training token windows [m, seqlen]; ``heldout``: the early-stopping windows [w, L], of the text
+    ``kinds`` (one name a window, for the report); ``state``: a resume.CalibrationState to checkpoint
+    into (None: no resume). Returns the maps of the best held-out evaluation."""
+    from tqdm import tqdm
+
+    from nbl_gguf.calibration.apply import ATTN_TAPS, apply_nbl
+
+    log = log or (lambda text: print(text, file=sys.stderr))
+    started = time.perf_counter()
+    files = _Checkpoints(state)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    steps = max(1, settings.tokens // pieces.shape[1])
+    order = step_order(pieces.shape[0], steps, settings.seed)
+    needed = sorted(set(order))
+    position = {piece: i for i, piece in enumerate(needed)}
+
+    teacher = files.load("teacher.pt")
+    if teacher is None:
+        with tqdm(total=len(needed) + heldout.shape[0], desc="refine: teacher", unit="window",
+                  disable=settings.no_progress, file=sys.stderr) as bar:
+            top_logp, top_ids = teacher_top_k(model, pieces[needed], settings.top_k, bar)
+            base = heldout_nll(model, heldout, bar)
+        teacher = {"top_logp": top_logp.to(torch.float16), "top_ids": top_ids.to(torch.int32), "base": base}
+        files.save("teacher.pt", teacher)
+    top_logp, top_ids, base = teacher["top_logp"].float(), teacher["top_ids"].long(), teacher["base"]
+
+    apply_nbl(model, {layer: layer_type for layer in layers}, maps)
+    modules = map_modules(model, layers)
+    params = make_trainable(modules)
+    optimizer = torch.optim.Adam(params, lr=settings.learning_rate)
+    # cosine decay to a tenth over the planned steps: the late steps settle instead of wandering
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 0.1 + 0.45 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+    saved = files.load("refine.pt")
+    if saved is not None:
+        _load_parameters(params, saved["params"])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        step, best, history, waited = saved["step"], saved["best"], saved["history"], saved["waited"]
+        start_nll = saved["start_nll"]
+        log(f"refine: resuming after step {step} (state {state.folder})")
+    else:
+        start_nll = heldout_nll(model, heldout)
+        step, waited = 0, 0
+        best = {"step": 0, "nll": start_nll, "params": _parameter_state(params)}
+        history = [(0, float(start_nll.mean()), None)]
+    stopped = "token budget"
+    bar = tqdm(total=steps, initial=step, desc="refine", unit="step", disable=settings.no_progress, file=sys.stderr)
+    window_loss = []
+    while step < steps:
+        piece = order[step]
+        logits = _logits(model, pieces[piece:piece + 1])[0]
+        loss = distillation_loss(logits, top_logp[position[piece]], top_ids[position[piece]])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        window_loss.append(float(loss.detach()))
+        step += 1
+        bar.update()
+        if step % settings.eval_every and step < steps:
+            continue
+        nll = heldout_nll(model, heldout)
+        history.append((step, float(nll.mean()), float(np.mean(window_loss))))
+        window_loss = []
+        bar.set_postfix_str(f"held-out NLL {start_nll.mean():.4f} -> {nll.mean():.4f}")
+        if nll.mean() < best["nll"].mean():
+            best, waited = {"step": step, "nll": nll, "params": _parameter_state(params)}, 0
+        else:
+            waited += 1
+        files.save("refine.pt", {"params": _parameter_state(params), "optimizer": optimizer.state_dict(),
+                                 "schedule": schedule.state_dict(), "step": step,
+                                 "best": best, "history": history, "waited": waited,
+                                 "start_nll": start_nll})
+        if waited >= settings.patience:
+            stopped = f"no better held-out loss in {settings.patience} evaluations"
+            break
+    bar.close()
+    _load_parameters(params, best["params"])
+    taps = int(maps[layers[0]].taps) if layer_type == ATTN_TAPS else 1
+    report = {
+        "form": "model", "layers": sorted(layers), "taps": taps,
+        "objective": f"KL(unmodified || NBL) of the next-token distribution, the teacher's top {settings.top_k} "
+                     f"tokens and the rest of its mass",
+        "steps": step, "best_step": best["step"], "tokens_read": step * pieces.shape[1], "stopped": stopped,
+        "heldout": {"windows": int(heldout.shape[0]), "tokens": int(heldout.numel()),
+                    "unmodified_nll": _kinds_report(base, kinds),
+                    "lmmse_nll": _kinds_report(start_nll, kinds),
+                    "refined_nll": _kinds_report(best["nll"], kinds)},
+        "history": [{"step": s, "heldout_nll": h, "train_kl": t} for s, h, t in history],
+        "settings": asdict(settings), "seconds": round(time.perf_counter() - started, 1),
+    }
+    return Refined(sorted(layers), taps, read_maps(modules, taps), report)
+
+
+# --- the streamed form ------------------------------------------------------------------------------------
+
+def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, pieces: torch.Tensor,
+                    heldout: torch.Tensor, settings: RefineSettings, state=None, kinds: list[str] | None = None,
+                    log=None) -> Refined:
+    """The streamed form on ``stream`` (a calibration.stream.LayerStream, one layer in memory): layer by
+    layer, the hidden states of the refined model so far; at a replaced layer, its map trained so that
+    the block's output matches the unmodified block's on those same inputs (relative mean squared
+    error, ``settings.epochs`` passes over the pieces, Adam), before the next layer is read."""
+    from tqdm import tqdm
+
+    from nbl_gguf.calibration.apply import ATTN_TAPS, replace_layer
+    from nbl_gguf.calibration.stream import batches
+
+    log = log or (lambda text: print(text, file=sys.stderr))
+    started = time.perf_counter()
+    files = _Checkpoints(state)
+    count = max(1, min(pieces.shape[0], settings.tokens // pieces.shape[1]))
+    chosen = pieces[sorted(step_order(pieces.shape[0], count, settings.seed))]
+    taps = int(maps[layers[0]].taps) if layer_type == ATTN_TAPS else 1
+    saved = files.load("streamed.pt")
+    if saved is not None:
+        first, hidden, refined_maps, losses = saved["next_layer"], saved["hidden"], saved["maps"], saved["losses"]
+        log(f"refine: resuming at layer {first} (state {state.folder})")
+    else:
+        stream.prepare_embedding(chosen)
+        try:
+            hidden = torch.cat([stream.embed(chosen[a:b]) for a, b in batches(chosen.shape[0], 1)])
+        finally:
+            stream.release_embedding()
+        first, refined_maps, losses = 0, {}, {}
+        teacher = hidden.clone() if settings.target == "trajectory" else None
+    if saved is not None:
+        teacher = saved.get("teacher")
+
+    def run_all(k: int, states=None) -> torch.Tensor:
+        states = hidden if states is None else states
+        return torch.cat([stream.run_layer(k, states[i:i + 1]) for i in range(states.shape[0])])
+
+    last = max(layers)
+    bar = tqdm(total=last + 1, initial=first, desc="refine (streamed)", unit="layer", disable=settings.no_progress,
+               file=sys.stderr)
+    for k in range(first, last + 1):
+        stream.load_layer(k)
+        try:
+            if teacher is not None:
+                teacher = run_all(k, teacher)
+            if k in layers:
+                target = teacher if teacher is not None else run_all(k)
+                restore = replace_layer(stream.model, k, layer_type, {k: maps[k]})
+                try:
+                    module = map_modules(stream.model, [k])
+                    optimizer = torch.optim.Adam(make_trainable(module), lr=settings.learning_rate)
+                    scale = target.float().pow(2).mean()
+                    history = []
+                    for epoch in range(settings.epochs):
+                        for i in step_order(hidden.shape[0], hidden.shape[0], settings.seed + 7919 * (epoch + 1) + k):
+                            out = stream.run_layer(k, hidden[i:i + 1], grad=True)
+                            loss = (out.float() - target[i:i + 1].float()).pow(2).mean() / scale
+                            optimizer.zero_grad(set_to_none=True)
+                            loss.backward()
+                            optimizer.step()
+                            history.append(float(loss.detach()))
+                    refined_maps.update(read_maps(module, taps))
+                    losses[k] = {"first_epoch": float(np.mean(history[:hidden.shape[0]])),
+                                 "last_epoch": float(np.mean(history[-hidden.shape[0]:]))}
+                    hidden = run_all(k)
+                finally:
+                    restore()
+            else:
+                hidden = run_all(k)
+        finally:
+            stream.release_layer(k)
+        files.save("streamed.pt", {"next_layer": k + 1, "hidden": hidden, "maps": refined_maps, "losses": losses,
+                                   "teacher": teacher})
+        bar.update()
+    bar.close()
+    # the held-out loss of the unmodified model, of the LMMSE maps and of the refined ones
+    variant = {layer: layer_type for layer in layers}
+    unmodified, lmmse = run_variants_nll(stream, heldout, [{}, variant], lambda k, _type: maps[k])
+    (refined,) = run_variants_nll(stream, heldout, [variant], lambda k, _type: refined_maps[k])
+    kept = "refined"
+    if refined.mean() > lmmse.mean():
+        # no early stopping inside the layer loop: a refinement that ends worse on the held-out windows is not kept
+        kept, refined_maps, refined = "lmmse (the refined maps were worse on the held-out windows)", dict(maps), lmmse
+    report = {
+        "form": "streamed", "layers": sorted(layers), "taps": taps,
+        "objective": "each replaced block's output (after the MLP) against the unmodified block's on the same "
+                     "inputs, relative mean squared error, layer by layer",
+        "epochs": settings.epochs, "tokens_read": int(chosen.numel()) * settings.epochs,
+        "heldout": {"windows": int(heldout.shape[0]), "tokens": int(heldout.numel()),
+                    "unmodified_nll": _kinds_report(unmodified, kinds),
+                    "lmmse_nll": _kinds_report(lmmse, kinds),
+                    "refined_nll": _kinds_report(refined, kinds)},
+        "kept": kept, "layer_losses": {str(k): v for k, v in sorted(losses.items())},
+        "settings": asdict(settings), "seconds": round(time.perf_counter() - started, 1),
+    }
+    return Refined(sorted(layers), taps, refined_maps, report)
+
+
+def run_variants_nll(stream, ids: torch.Tensor, variants: list[dict[int, int]], linear) -> list[np.ndarray]:
+    """The mean next-token NLL of each window [windows] (float64) of each variant of the model
+    (variants.run_variants: {layer: layer type}, ``linear(k, type)`` the map)."""
+    from nbl_gguf.calibration.variants import run_variants
+
+    outputs = run_variants(stream, ids, variants, linear)
+    stream.load_head()
+    try:
+        return [stream.token_nll(out, ids).mean(1).numpy() for out in outputs]
+    finally:
+        stream.release_head()
+
+
+# --- the stage ------------------------------------------------------------------------------------------
+
+def heldout_kinds(composition: dict | None, count: int) -> list[str] | None:
+    """The kind of each held-out window, in load_windows' order (the calibration text's, then each
+    bundled kind's)."""
+    if not composition:
+        return None
+    kinds = [kind for kind, n in composition["windows"].items() for _ in range(n)]
+    return kinds if len(kinds) == count else None
+
+
+def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, settings: RefineSettings,
+           artifact_data: dict | None = None, log=None) -> Refined:
+    """Refine the maps of ``layers`` (their LMMSE fit ``maps``, of apply.py's ``layer_type``) of the model
+    ``source`` (a model_source.ModelSource) on the windows that ``calibration`` (calibration.settings.Settings)
+    names; ``artifact_data``: the artifact's record of its windows, to say when they differ."""
+    from nbl_gguf.calibration import dataset
+    from nbl_gguf.calibration.resume import CalibrationState, digest, model_identity, tokens_digest
+    from nbl_gguf.calibration.settings import DEFAULT_NSAMPLES, memory_budget_bytes
+
+    log = log or (lambda text: print(text, file=sys.stderr))
+    settings.check()
+    if not layers:
+        raise NblError("--refine: no layer is replaced, so there is no map to refine")
+    device = models.resolve_device(calibration.device)
+    dtype = models.resolve_dtype(calibration.dtype, device)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(source.hf_folder()))
+    available = memory_budget_bytes(calibration) if settings.memory_budget is None else int(settings.memory_budget * 2**30)
+    check_memory(config, settings, dtype, available)
+    if calibration.threads is not None:
+        torch.set_num_threads(calibration.threads)
+    torch.manual_seed(settings.seed)
+    if settings.form == "model":
+        loaded = models.load_model(str(source.hf_folder()), dtype=calibration.dtype, device=device, name=source.name)
+        shape = SimpleNamespace(tokenizer=loaded.tokenizer, config=loaded.model.config,  # what load_windows reads
+                                hidden_size=int(models.text_config(config).hidden_size))
+    else:
+        from nbl_gguf.calibration.stream import LayerStream
+
+        shape = LayerStream(source, dtype, device)
+    nsamples = calibration.nsamples or DEFAULT_NSAMPLES["cuda" if device.startswith("cuda") else "cpu"]
+    calib, heldout, composition = dataset.load_windows(calibration, shape, True, nsamples)
+    if artifact_data and artifact_data.get("sha256") not in (None, calib.sha256):
+        log("refine: note: the calibration windows differ from those the artifact was fitted on "
+            "(another --dataset, --nsamples or --seqlen): the maps are refined on these")
+    pieces = training_pieces(calib.input_ids, settings.seqlen)
+    inputs = {"refine": {k: v for k, v in asdict(settings).items() if k not in ("no_progress", "memory_budget")},
+              "layers": sorted(layers), "layer_type": layer_type, "dtype": str(dtype), "device": device.split(":")[0],
+              "tokens": tokens_digest(pieces, heldout),
+              "maps": digest({str(k): _map_digest(v) for k, v in sorted(maps.items())})}
+    state = CalibrationState.for_model(model_identity(source), inputs, log=log)
+    state.open()
+    finished = False
+    try:
+        run = refine_model if settings.form == "model" else refine_streamed
+        refined = run(loaded.model if settings.form == "model" else shape, sorted(layers), layer_type, maps, pieces,
+                      heldout, settings, state, heldout_kinds(composition, heldout.shape[0]), log)
+        finished = True
+    finally:
+        state.close(finished=finished)
+    refined.report.update(dtype=str(dtype).replace("torch.", ""), device=device,
+                          windows={"training": f"{pieces.shape[0]} pieces of {pieces.shape[1]} tokens from "
+                                               f"{calib.nsamples} calibration windows of {calib.seqlen}",
+                                   "heldout": composition})
+    return refined
+
+
+def _map_digest(value) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    arrays = value.tensors().values() if hasattr(value, "tensors") else value
+    for array in arrays:
+        h.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
+    return h.hexdigest()
+
+
+def check_refinable(method: str, what: str = "--method") -> None:
+    if method != "attn-nbl":
+        raise NblError(f"--refine tunes the maps of attn-nbl layers; {what} is {method}, which has none")
+
+
+def artifact_maps(artifact, layers: list[int]) -> tuple[int, dict]:
+    """(apply.py's layer type, {layer: LMMSE map}) of ``layers`` in a calibration artifact: its taps maps,
+    or its attention maps (attn-nbl); attn-drop and block-nbl have no map to refine."""
+    from nbl_gguf.calibration.apply import ATTN_LINEAR, ATTN_TAPS
+
+    check_refinable(artifact.report["selection"]["method"], f"the calibration in {artifact.path}")
+    if artifact.taps > 1:
+        return ATTN_TAPS, {layer: artifact.taps_map(layer) for layer in layers}
+    return ATTN_LINEAR, {layer: artifact.linear(layer, "attn") for layer in layers}
+
+
+def refine_artifact(path, source, calibration, layers: list[int], settings: RefineSettings, log=None):
+    """Refine the maps of ``layers`` of the artifact at ``path`` and add them to it; the artifact, reloaded."""
+    from nbl_gguf.calibration.artifact import load_artifact, save_refined
+
+    artifact = load_artifact(path)
+    layer_type, maps = artifact_maps(artifact, layers)
+    refined = refine(source, calibration, layers, layer_type, maps, settings, artifact.report.get("data"), log)
+    save_refined(path, refined.report, refined.tensors())
+    return load_artifact(path)

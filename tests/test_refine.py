@@ -1,0 +1,311 @@
+"""Refinement (calibration.refine): the maps tuned against the model's output lower the held-out loss of
+their LMMSE fit, on a tiny model in both forms; an interrupted run resumes to the same maps; a run that
+would not fit memory is refused before anything loads; the artifact keeps the refined maps beside the
+LMMSE ones, and a GGUF takes them only for the layers they were refined for."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
+from nbl_gguf.calibration import refine as refine_module
+from nbl_gguf.calibration.apply import ATTN_LINEAR, ATTN_TAPS, apply_nbl
+from nbl_gguf.calibration.refine import RefineSettings, refine_model, refine_streamed
+from nbl_gguf.calibration.resume import CalibrationState
+from nbl_gguf.calibration.taps import TapsMap
+from nbl_gguf.errors import NblError
+from nbl_gguf.models import attention_norm, decoder_layers, get_adapter
+
+VOCAB, D, N_LAYER = 97, 32, 4
+LAYERS = [1, 2]
+
+
+def motif_windows(count: int, length: int, generator) -> torch.Tensor:
+    """Token windows with structure that takes attention to predict: each window repeats a random motif
+    of its own (so the next token is the one a motif length back), with some tokens replaced by noise."""
+    motifs = torch.randint(3, VOCAB, (count, 6), generator=generator)
+    rows = motifs.repeat(1, -(-length // 6))[:, :length].clone()
+    noise = torch.rand(rows.shape, generator=generator) < 0.1
+    rows[noise] = torch.randint(3, VOCAB, (int(noise.sum()),), generator=generator)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def data():
+    generator = torch.Generator().manual_seed(0)
+    return motif_windows(16, 32, generator), motif_windows(4, 48, generator)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny model trained to copy the motifs: a teacher whose attention matters."""
+    torch.set_num_threads(1)  # the resume test compares bits
+    model = tiny_model(layers=N_LAYER, hidden=D, vocab=VOCAB)
+    generator = torch.Generator().manual_seed(1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        ids = motif_windows(8, 32, generator)
+        loss = torch.nn.functional.cross_entropy(model(ids).logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def lmmse_maps(model, pieces) -> dict:
+    """{layer: (W, b)}: numpy least squares of each chosen attention's output on its input (after the
+    norm), over ``pieces`` (an independent fit, not the calibration engine's)."""
+    adapter = get_adapter(model)
+    seen = {layer: ([], []) for layer in LAYERS}
+    handles = []
+    for layer in LAYERS:
+        block = decoder_layers(model)[layer]
+        handles.append(attention_norm(block, adapter).register_forward_hook(
+            lambda _m, _i, out, k=layer: seen[k][0].append(out.detach().reshape(-1, D))))
+        handles.append(getattr(block, adapter.attn).register_forward_hook(
+            lambda _m, _i, out, k=layer: seen[k][1].append(out[0].detach().reshape(-1, D))))
+    with torch.no_grad():
+        model(pieces)
+    for handle in handles:
+        handle.remove()
+    maps = {}
+    for layer, (xs, ys) in seen.items():
+        x, y = torch.cat(xs).double().numpy(), torch.cat(ys).double().numpy()
+        coef, *_ = np.linalg.lstsq(np.hstack([x, np.ones((len(x), 1))]), y, rcond=None)
+        maps[layer] = (coef[:-1].T.astype(np.float32), coef[-1].astype(np.float32))
+    return maps
+
+
+def taps_maps(linear: dict) -> dict:
+    """Past-token maps of 3 tokens that start as the per-token maps (the earlier tokens' map zero)."""
+    return {layer: TapsMap(taps=3, weight=w, bias=b, lag=np.zeros((D, 2 * D), np.float32))
+            for layer, (w, b) in linear.items()}
+
+
+def heldout_nll(model, layer_type, maps, heldout) -> np.ndarray:
+    """Mean next-token NLL of each window with ``maps`` in place (apply.py's modules, a fresh copy)."""
+    replaced = apply_nbl(copy.deepcopy(model), {layer: layer_type for layer in LAYERS}, maps)
+    with torch.no_grad():
+        logits = replaced(heldout).logits.float()
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), heldout[:, 1:].reshape(-1),
+                                            reduction="none")
+    return nll.reshape(heldout.shape[0], -1).mean(1).double().numpy()
+
+
+def run(form, model, layer_type, maps, data, state=None, log=None, **options):
+    pieces, heldout = data
+    settings = RefineSettings(form=form, tokens=24 * 32, seqlen=32, eval_every=4, patience=20, no_progress=True,
+                              **{"lr": 3e-3, **options})
+    if form == "model":
+        return refine_model(copy.deepcopy(model), LAYERS, layer_type, maps, pieces, heldout, settings, state,
+                            log=log or (lambda text: None))
+    from nbl_gguf.calibration.stream import LayerStream
+
+    stream = LayerStream.resident(copy.deepcopy(model))
+    return refine_streamed(stream, LAYERS, layer_type, maps, pieces, heldout, settings, state,
+                           log=log or (lambda text: None))
+
+
+def check_report_and_gain(model, layer_type, maps, refined, heldout, share: float):
+    """The report's losses are those of the maps it names, recomputed here on the whole model, and the
+    refined maps close ``share`` of the gap the starting maps leave; (unmodified, start, refined) NLL."""
+    held = refined.report["heldout"]
+    start = heldout_nll(model, layer_type, maps, heldout).mean()
+    after = heldout_nll(model, layer_type, refined.maps, heldout).mean()
+    base = heldout_nll(model, 0, {}, heldout).mean()
+    assert held["lmmse_nll"]["all"] == pytest.approx(start, abs=1e-5)
+    assert held["refined_nll"]["all"] == pytest.approx(after, abs=1e-5)
+    assert held["unmodified_nll"]["all"] == pytest.approx(base, abs=1e-5)
+    assert after < start - share * (start - base), (base, start, after)
+    return base, start, after
+
+
+@pytest.mark.parametrize("kind", ["per-token", "taps"])
+def test_refined_maps_lower_the_heldout_loss_of_the_lmmse_fit(model, data, kind):
+    """The model form on a model whose replaced layers carry its copying: the maps take back part of it."""
+    pieces, heldout = data
+    linear = lmmse_maps(model, pieces)
+    layer_type, maps = (ATTN_LINEAR, linear) if kind == "per-token" else (ATTN_TAPS, taps_maps(linear))
+    refined = run("model", model, layer_type, maps, data)
+    check_report_and_gain(model, layer_type, maps, refined, heldout, 0.05)
+    assert sorted(refined.maps) == LAYERS and refined.report["layers"] == LAYERS
+    if kind == "taps":
+        assert all(m.taps == 3 and np.abs(m.lag).max() > 0 for m in refined.maps.values())  # the past moved too
+        assert refined.taps == 3 and set(refined.tensors()) == {f"taps.{k}.{n}" for k in LAYERS
+                                                                for n in ("weight", "bias", "lag")}
+    else:
+        assert set(refined.tensors()) == {f"attn.{k}.{n}" for k in LAYERS for n in ("weight", "bias")}
+
+
+@pytest.mark.parametrize("target", ["trajectory", "block"])
+def test_the_streamed_form_fits_each_block_and_never_keeps_worse_maps(model, data, target):
+    """Each layer's own objective falls; from maps that are off (the fit plus noise) the held-out loss falls
+    too; from the LMMSE fit of layers that copy (which no per-layer objective can see: the loss is at the
+    output), it never ends worse than its start: the start is kept."""
+    pieces, heldout = data
+    linear = lmmse_maps(model, pieces)
+    generator = np.random.default_rng(0)
+    noisy = {k: (w + 0.5 * w.std() * generator.standard_normal(w.shape).astype(np.float32), b)
+             for k, (w, b) in linear.items()}
+    refined = run("streamed", model, ATTN_LINEAR, noisy, data, target=target)
+    assert all(loss["last_epoch"] < loss["first_epoch"] for loss in refined.report["layer_losses"].values())
+    assert refined.report["kept"] == "refined"
+    check_report_and_gain(model, ATTN_LINEAR, noisy, refined, heldout, 0.05)
+    from_fit = run("streamed", model, ATTN_LINEAR, linear, data, target=target)
+    held = from_fit.report["heldout"]
+    assert held["refined_nll"]["all"] <= held["lmmse_nll"]["all"]
+    if from_fit.report["kept"] != "refined":
+        for layer in LAYERS:
+            np.testing.assert_array_equal(from_fit.maps[layer][0], linear[layer][0])
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("form", ["model", "streamed"])
+def test_an_interrupted_refinement_resumes_to_the_same_maps(model, data, form, tmp_path, monkeypatch):
+    linear = lmmse_maps(model, data[0])
+    whole = run(form, model, ATTN_LINEAR, linear, data)
+
+    def state():
+        opened = CalibrationState(tmp_path, "tiny", {"refine": form})
+        opened.open()
+        return opened
+
+    # stop it part way: the model form after its second checkpoint, the streamed one after its first layer
+    name = "distillation_loss" if form == "model" else "read_maps"
+    original, calls = getattr(refine_module, name), []
+
+    def interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == (10 if form == "model" else 2):
+            raise Interrupted
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(refine_module, name, interrupt)
+    first = state()
+    with pytest.raises(Interrupted):
+        run(form, model, ATTN_LINEAR, linear, data, state=first)
+    first.close(finished=False)
+    monkeypatch.setattr(refine_module, name, original)
+    said = []
+    second = state()
+    resumed = run(form, model, ATTN_LINEAR, linear, data, state=second, log=said.append)
+    second.close(finished=True)
+    assert any(line.startswith("refine: resuming") for line in said)
+    for layer in LAYERS:
+        for got, expected in zip(resumed.maps[layer], whole.maps[layer]):
+            np.testing.assert_array_equal(got, expected)
+    for key in ("unmodified_nll", "lmmse_nll", "refined_nll"):
+        assert resumed.report["heldout"][key] == whole.report["heldout"][key]
+
+
+# --- the stage and the artifact, through the calibrate command ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("refine")
+    texts = sample_texts(80, 40)
+    tokenizer = word_tokenizer(texts)
+    tiny_model(layers=3, vocab=len(tokenizer)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return root
+
+
+def run_calibrate(*argv):
+    from nbl_gguf.commands import calibrate
+
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    return calibrate.run(parser.parse_args(["--criterion", "cosine", "--dtype", "fp32", "--no-progress"]
+                                           + [str(a) for a in argv]))
+
+
+def test_calibrate_refine_keeps_both_maps_and_a_gguf_takes_the_refined_ones_for_their_layers(checkpoint, capsys,
+                                                                                              monkeypatch):
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf.from_artifact import provenance, taps_maps as file_taps_maps, uses_refined
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(checkpoint / "cache"))
+    out = checkpoint / "artifact"
+    common = ["--model", checkpoint / "model", "--dataset", checkpoint / "data.jsonl", "--nsamples", 8, "--seqlen", 32]
+    assert run_calibrate(*common, "--m", 2, "--taps", 2, "-o", out, "--refine", "--refine-tokens", 128,
+                         "--refine-seqlen", 16, "--refine-eval-every", 2, "--refine-lr", 1e-2) == 0
+    assert "refined (model form) the maps of layers" in capsys.readouterr().out
+    artifact = load_artifact(out)
+    layers = artifact.select()
+    refine = artifact.report["refine"]
+    assert refine["layers"] == layers and refine["taps"] == 2 and refine["weights"].startswith("refined-")
+    assert refine["steps"] >= refine["best_step"] and refine["tokens_read"] == 16 * refine["steps"]
+    held = refine["heldout"]
+    assert held["refined_nll"]["all"] <= held["lmmse_nll"]["all"]  # the best evaluation is kept, the start among them
+    assert artifact.refined_for(layers, 2) and not artifact.refined_for(layers[:1], 2)
+    assert not artifact.refined_for(layers, 1)
+    refined, lmmse = (file_taps_maps(artifact, layers, 2, flag) for flag in (True, False))
+    moved = [np.abs(refined[k].weight - lmmse[k].weight).max() for k in layers]
+    assert held["refined_nll"]["all"] == held["lmmse_nll"]["all"] or max(moved) > 0
+    # the LMMSE maps are still those of the calibration: the same as a run without --refine
+    plain = checkpoint / "plain"
+    assert run_calibrate(*common, "--m", 2, "--taps", 2, "-o", plain) == 0
+    for layer in layers:
+        np.testing.assert_array_equal(lmmse[layer].weight, load_artifact(plain).taps_map(layer).weight)
+    # the file takes the refined maps for exactly their layers, in the NBL layout, and says so
+    assert uses_refined(artifact, layers, 2, "nbl") and not uses_refined(artifact, layers, 2, "stock")
+    assert not uses_refined(artifact, layers[:1], 2, "nbl")
+    record = provenance(artifact, out, layers, refined=True)["refine"]
+    assert record["layers"] == layers and "seconds" not in record and "weights" not in record
+    assert "refine" not in provenance(artifact, out, layers)
+    # a second refinement replaces the first one's file
+    first_file = refine["weights"]
+    assert run_calibrate(*common, "--m", 2, "--taps", 2, "-o", out, "--refine", "--refine-tokens", 64,
+                         "--refine-seqlen", 16, "--refine-eval-every", 2, "--refine-lr", 1e-3) == 0
+    again = load_artifact(out)
+    assert sorted(p.name for p in out.glob("refined-*")) == [again.report["refine"]["weights"]] != [first_file]
+
+
+def test_a_refinement_that_would_not_fit_is_refused_before_anything_loads(checkpoint, monkeypatch):
+    from nbl_gguf import models
+    from nbl_gguf.calibration.settings import Settings
+    from nbl_gguf.model_source import resolve_model
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    source = resolve_model(str(checkpoint / "model"))
+    settings = RefineSettings(memory_budget=1e-6, seqlen=4096)
+    with pytest.raises(NblError, match=r"--refine \(model\) needs about .* GiB: the model's weights .* and the "
+                                       r"activations of a 4096-token window .*; 0.00 GiB are available to it: use a "
+                                       r"shorter --refine-seqlen \(or --refine-form streamed"):
+        refine_module.refine(source, Settings(model=str(checkpoint / "model")), [1], ATTN_LINEAR, {}, settings)
+
+
+def test_refine_options_are_checked_before_calibrating(checkpoint):
+    common = ["--model", checkpoint / "model", "--dataset", checkpoint / "data.jsonl", "--nsamples", 8, "--seqlen", 32,
+              "-o", checkpoint / "never"]
+    with pytest.raises(NblError, match="--refine tunes the maps of attn-nbl layers; --method is attn-drop"):
+        run_calibrate(*common, "--refine", "--method", "attn-drop")
+    with pytest.raises(NblError, match="--refine-lr must be a positive number, got -1"):
+        run_calibrate(*common, "--refine", "--refine-lr", -1)
+    assert not (checkpoint / "never").exists()
+
+
+def test_convert_refuses_what_a_refinement_cannot_serve():
+    from nbl_gguf.commands import convert
+
+    with pytest.raises(NblError, match="--runtime stock writes bias-free maps, which are not refined"):
+        convert.check_refine(convert.options(refine=True, runtime="stock"), "attn-nbl")
+    with pytest.raises(NblError, match="--refine with --kv-budget"):
+        convert.check_refine(convert.options(refine=True, kv_budget="40MiB"), "attn-nbl")
+    with pytest.raises(NblError, match="--refine-form 'whole'"):
+        convert.check_refine(convert.options(refine=True, refine_form="whole"), "attn-nbl")
+    convert.check_refine(convert.options(refine=True), "attn-nbl")
