@@ -128,32 +128,37 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     from nbl_gguf.measurement.llama_bench import run_llama_bench
 
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
-    source = TinyLlama(n_layer=4, n_head=2, n_head_kv=1, n_ctx_train=1024).write_gguf(tmp_path / "tiny.gguf")
+    source = TinyLlama(n_layer=4, n_head=2, n_head_kv=1, n_ctx_train=2048).write_gguf(tmp_path / "tiny.gguf")
     out, work = tmp_path / "results", tmp_path / "work"
     assert main(["bench", "--frontier", "--model", str(source), "--m", "1,2", "--calib-nsamples", "8",
                  "--calib-seqlen", "64", "--ppl-chunks", "1,1", "-p", "16", "-n", "4", "-d", "0,64", "-r", "1", "-t", "1",
-                 "--kv-types", "q8_0", "--work-dir", str(work), "-o", str(out)]) == 0
+                 "--kv-types", "q8_0", "--frontier-windows", "1", "--work-dir", str(work), "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((out / "results.json").read_text())
     labels = [r["label"] for r in result["rows"]]
     assert labels == ["stock", "stock kv q8_0", "stock Q8_0", "stock prune 1 blocks",
                       "nbl-m1 taps4", "nbl-m1 taps4 kv q8_0", "nbl-m2 taps4", "nbl-m2 taps4 kv q8_0",
-                      "nbl-m1 per-token", "nbl-m1 per-token kv q8_0", "nbl-m2 per-token", "nbl-m2 per-token kv q8_0"]
+                      "nbl-m1 per-token", "nbl-m1 per-token kv q8_0", "nbl-m2 per-token", "nbl-m2 per-token kv q8_0",
+                      "windows 1", "windows 1 kv q8_0"]
     assert "| nbl-m2 taps4 kv q8_0 |" in printed and (out / "frontier.png").is_file()
-    assert result["settings"]["long_ctx"] == 1024 and result["settings"]["kv_ctx"] == 1024
+    assert result["settings"]["long_ctx"] == 2048 and result["settings"]["kv_ctx"] == 2048
     rows = {r["label"]: r for r in result["rows"]}
     for row in result["rows"]:
-        assert set(row["perplexity"]) == {"512", "1024"} and all(v > 1 for v in row["perplexity"]["1024"].values())
+        assert set(row["perplexity"]) == {"512", "2048"} and all(v > 1 for v in row["perplexity"]["2048"].values())
         assert {"cpu pp d0", "cpu tg d0", "cpu pp d64", "cpu tg d64"} <= set(row["speed"])
         # the KV bytes at a context llama-bench allocates (16 + 4 + 2000 tokens, 2048 cells) against its log,
-        # which prints K and V to 0.01 MiB each
+        # which prints K and V to 0.01 MiB each, of each cache (a window file has two: global and sliding)
         records, _ = run_llama_bench(Path(row["path"]), n_prompt=16, n_gen=4, depth=2000, repetitions=1, threads=1,
                                      backend="cpu", cache_type=row["kv_type"])
         expected = frontier.kv_bytes(Path(row["path"]), row["kv_type"], 2020) / 2 ** 20
-        assert records[0]["kv_mib"] == pytest.approx(expected, abs=0.011), row["label"]
+        caches = 2 if row["label"].startswith("windows") else 1
+        assert records[0]["kv_mib"] == pytest.approx(expected, abs=0.011 * caches), row["label"]
     # a quantized cache is half the F16 one or less; the file without attention in 2 layers, half the stock's
     assert rows["stock kv q8_0"]["kv_bytes"] < 0.54 * rows["stock"]["kv_bytes"]
     assert rows["nbl-m2 taps4"]["kv_bytes"] == rows["stock"]["kv_bytes"] // 2
+    # one of 4 layers keeps 512 + 4 sinks (+ a ubatch) cells of the 2048: less than stock, more than 3 layers' worth
+    assert 3 * rows["stock"]["kv_bytes"] // 4 < rows["windows 1"]["kv_bytes"] < rows["stock"]["kv_bytes"]
+    assert gguf.GGUFReader(rows["windows 1"]["path"]).get_field("llama.attention.sliding_window") is not None
     # the pruned file: llama-quantize --prune-layers of the lowest block influence
     calibration = next(Path(work).rglob("taps4/calibration"))
     weakest = int(np.argmin(load_artifact(calibration).block_influence()))

@@ -9,7 +9,10 @@ The variants, each with an F16 KV cache unless named:
 - llama.cpp's layer pruning: `llama-quantize --prune-layers` of the N blocks ShortGPT's block influence
   (1 - cos of a block's input and output, recorded by the calibration) ranks least important;
 - ours: `convert` at each --m with past-token maps and with per-token maps (each kind of map with its own
-  calibration, whose measured selection holds for its maps only), each also with KV q8_0 and q4_0.
+  calibration, whose measured selection holds for its maps only), each also with KV q8_0 and q4_0;
+- ours, window layers: `convert --m 0 --windows N` for each --frontier-windows N (default: half the layers,
+  where the patched llama.cpp runs window layers for the architecture and the training context is above
+  twice the window), each also with those KV types.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ def add_arguments(group) -> None:
                             f"if smaller)")
     group.add_argument("-c", "--ctx-size", type=flags.positive_int, default=None, metavar="N",
                        help="--frontier: the context the KV bytes are given at (default: the training context)")
+    group.add_argument("--frontier-windows", type=flags.int_list, default=None, metavar="N[,N]",
+                       help="--frontier: files with N window layers each (convert --m 0 --windows N, the default "
+                            "--window-size and --window-sinks) (default: half the layers where the model can carry "
+                            "them; 0: none)")
     group.add_argument("--ppl-chunks", type=_chunks, default=(4, 1), metavar="SHORT,LONG",
                        help="--frontier: perplexity chunks per kind of text at 512 and at the long context "
                             "(default: 4,1)")
@@ -65,7 +72,7 @@ def check_arguments(args) -> None:
     """What --frontier takes and refuses, before any work."""
     if not args.frontier:
         for name, default in (("prune_blocks", None), ("long_ctx", None), ("ctx_size", None), ("ppl_chunks", (4, 1)),
-                              ("kv_types", ",".join(DEFAULT_KV_TYPES))):
+                              ("kv_types", ",".join(DEFAULT_KV_TYPES)), ("frontier_windows", None)):
             if getattr(args, name) != default:
                 raise NblError(f"--{name.replace('_', '-')} means nothing without --frontier")
         return
@@ -218,6 +225,17 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
             variants.append(Variant(label, NBL, candidate.path, made_by=command))
             variants += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=command) for t in extra_kv]
 
+    for count in window_counts(args, side):
+        (directory / f"windows{count}").mkdir(exist_ok=True)
+        window_args = _with(args, m=[0], calibration=str(calibrations[taps_list[0]]))
+        (candidate,), commands = nbl_by_convert(window_args, side.convert_model, directory / f"windows{count}",
+                                                side.suffix, {**side.convert_extra, "windows": count, "no_eval": True},
+                                                log)
+        made += commands
+        label = f"windows {count}"
+        variants.append(Variant(label, NBL, candidate.path, made_by=commands[0]))
+        variants += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=commands[0]) for t in extra_kv]
+
     if prune:
         influence = load_artifact(calibrations[taps_list[0]]).block_influence()
         blocks = sorted(int(i) for i in influence.argsort(kind="stable")[:prune])
@@ -232,6 +250,28 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
         notes.append(f"Pruned blocks (least ShortGPT block influence, 1 - cos of a block's input and output on "
                      f"the calibration windows): {', '.join(map(str, blocks))}.")
     return f"{name} {side.quant}", variants, made, notes
+
+
+def window_counts(args, side: StockSide) -> list[int]:
+    """--frontier-windows, or half the layers where the file can carry window layers at a context that shows
+    them (above twice the default window); [] for none."""
+    import gguf
+
+    from nbl_gguf.calibration.windows import DEFAULT_SIZE
+    from nbl_gguf.gguf.from_artifact import gguf_architecture
+    from nbl_gguf.gguf.metadata import training_context
+    from nbl_gguf.gguf.nbl_format import WINDOW_ARCHITECTURES
+
+    if args.frontier_windows is not None:
+        counts = sorted({n for n in args.frontier_windows if n})
+        for n in counts:
+            if not 0 < n <= side.n_layer:
+                raise NblError(f"--frontier-windows {n} is out of range: {side.name} has {side.n_layer} layers")
+        return counts
+    trained = training_context(gguf.GGUFReader(side.stock)) or 0
+    if gguf_architecture(side.source) not in WINDOW_ARCHITECTURES or trained <= 2 * DEFAULT_SIZE:
+        return []
+    return [side.n_layer // 2]
 
 
 def _with(args, **changes):
