@@ -129,6 +129,7 @@ def calibrate(settings: Settings) -> Path:
     from nbl_gguf.calibration import dataset
     from nbl_gguf.calibration.artifact import plot_scores, write_artifact
     from nbl_gguf.calibration.report import kv_report
+    from nbl_gguf.calibration.resume import tokens_digest
     from nbl_gguf.calibration.solve import ranking
     from nbl_gguf.model_source import resolve_model
     from nbl_gguf.usage import StageMeter
@@ -187,7 +188,9 @@ def calibrate(settings: Settings) -> Path:
                      "selection_windows": 0 if heldout_ids is None else int(heldout_ids.shape[0]),
                      **({"selection_text": heldout_text} if heldout_text else {}),
                      "seqlen": calib.seqlen, "tokens": calib.tokens, "documents": calib.documents,
-                     "sha256": calib.sha256, "seed": settings.seed},
+                     "sha256": calib.sha256, "seed": settings.seed,
+                     # the fit windows' tokens (sha256 is of the documents read, held-out windows included)
+                     "windows_sha256": tokens_digest(calib.input_ids)},
             "statistics": {"device": str(stats_device), "tokens_per_layer": calib.tokens,
                            "covariances_saved": settings.save_covariances, "partial_sums": STATISTICS_PARTIAL,
                            "streamed": True, **details},

@@ -555,7 +555,7 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
         shape = LayerStream(source, dtype, device)
     nsamples = calibration.nsamples or DEFAULT_NSAMPLES["cuda" if device.startswith("cuda") else "cpu"]
     calib, heldout, composition = dataset.load_windows(calibration, shape, True, nsamples)
-    if artifact_data and artifact_data.get("sha256") not in (None, calib.sha256):
+    if artifact_data and artifact_data.get("windows_sha256") not in (None, tokens_digest(calib.input_ids)):
         log("refine: note: the calibration windows differ from those the artifact was fitted on "
             "(another --dataset, --nsamples or --seqlen): the maps are refined on these")
     pieces = training_pieces(calib.input_ids, settings.seqlen)
