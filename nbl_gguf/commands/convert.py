@@ -248,8 +248,7 @@ def convert(args) -> Summary:
     m, _ = selection_budget(args.m, args.max_ppl_increase)
     if m is not None and not 0 <= m <= n_layer:
         raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
-    if args.calibration and not Path(args.calibration).is_dir():
-        raise NblError(f"--calibration {args.calibration}: no such artifact directory")
+    flags.check_calibration(args.calibration)
     if args.eval_chunks < 1:
         raise NblError(f"--eval-chunks must be at least 1, got {args.eval_chunks}")
     if args.refine:

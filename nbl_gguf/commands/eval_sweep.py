@@ -205,8 +205,7 @@ def get_calibration(args, source, work: Path):
     from nbl_gguf.calibration.settings import Settings
 
     if args.calibration:
-        if not Path(args.calibration).is_dir():
-            raise NblError(f"--calibration {args.calibration}: no such artifact directory")
+        flags.check_calibration(args.calibration)
         return load_artifact(args.calibration)
     model_dir = source.hf_folder()
     target = work / f"calibration-{args.nsamples}x{args.seqlen}"

@@ -47,6 +47,14 @@ def add_calibration(parser, help: str) -> None:
     parser.add_argument("--calibration", default=None, metavar="ARTIFACT", help=help)
 
 
+def check_calibration(path) -> None:
+    """--calibration, when given, names a directory (what is in it, calibration.artifact.load_artifact checks)."""
+    from pathlib import Path
+
+    if path and not Path(path).is_dir():
+        raise NblError(f"--calibration {path}: no such artifact directory")
+
+
 def add_output(parser, help: str, default=None, metavar: str = "PATH") -> None:
     parser.add_argument("-o", "--output", default=default, metavar=metavar, help=help)
 

@@ -21,11 +21,10 @@ def nbl_by_convert(args, model: str, directory: Path, suffix: str, extra: dict, 
     """(an NBL-m Candidate per --m, the convert commands): convert.convert of ``model`` per m into ``directory``
     (kept and reused), with the convert options ``extra`` ({name: value}), the first making the one
     calibration that the others reuse."""
-    from nbl_gguf.commands import convert
+    from nbl_gguf.commands import convert, flags
 
+    flags.check_calibration(args.calibration)
     calibration = Path(args.calibration) if args.calibration else directory / "calibration"
-    if args.calibration and not calibration.is_dir():
-        raise NblError(f"--calibration {calibration}: no such artifact directory")
     tag = "" if not args.calibration else f"-cal{abs(_stable_hash(str(calibration.resolve()))) % 100000:05d}"
     paths = {m: directory / f"nbl-m{m}{tag}{suffix}.gguf" for m in args.m}
     commands = {}
