@@ -49,3 +49,16 @@ def sample_texts(count: int = 40, words: int = 30, seed: int = 0):
     rng = random.Random(seed)
     lexicon = [f"w{i}" for i in range(60)]
     return [" ".join(rng.choice(lexicon) for _ in range(words)) for _ in range(count)]
+
+
+def write_checkpoint(root, layers: int, texts: int, words: int):
+    """``root``/model (a tiny model and the word tokenizer of its text, saved as HF does) and
+    ``root``/data.jsonl (``texts`` documents of ``words`` words): what the calibrate command reads."""
+    import json
+
+    documents = sample_texts(texts, words)
+    tokenizer = word_tokenizer(documents)
+    tiny_model(layers=layers, vocab=len(tokenizer)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in documents))
+    return root

@@ -1,14 +1,13 @@
 """Hooks, apply_nbl and the end-to-end calibrate command on tiny random Llama models."""
 
 import argparse
-import json
 import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
+from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer, write_checkpoint
 from nbl_gguf.commands import calibrate
 from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, BLOCK_LINEAR, KEEP, apply_nbl
 from nbl_gguf.calibration.artifact import load_artifact
@@ -122,14 +121,7 @@ def test_unsupported_architecture_is_named():
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("calib")
-    texts = sample_texts(60, 40)
-    tokenizer = word_tokenizer(texts)
-    model = tiny_model(layers=3, vocab=len(tokenizer))
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return root
+    return write_checkpoint(tmp_path_factory.mktemp("calib"), layers=3, texts=60, words=40)
 
 
 def run_calibrate(*argv):

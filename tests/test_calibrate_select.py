@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer
+from _calibrate_helpers import tiny_model, write_checkpoint
 from nbl_gguf.commands import calibrate
 from nbl_gguf.calibration import select as selection
 from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, apply_nbl
@@ -362,13 +362,7 @@ def test_selection_bad_input(constructed):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("select")
-    texts = sample_texts(120, 60)
-    tokenizer = word_tokenizer(texts)
-    tiny_model(layers=4, vocab=len(tokenizer)).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return root
+    return write_checkpoint(tmp_path_factory.mktemp("select"), layers=4, texts=120, words=60)
 
 
 def run_calibrate(checkpoint, *argv):

@@ -37,9 +37,10 @@ DEFAULT_FORM = "model"
 # half the CPU calibration's tokens (32 x 2048), read DEFAULT_SEQLEN at a time (docs/results/refine.md)
 DEFAULT_TOKENS = 32768
 DEFAULT_SEQLEN = 512
-# Adam's step: SmolLM2 m = 12 taps, 16384 tokens: 2e-5 closed 11% of the held-out gap, 1e-4 18%, 4e-4 23%,
-# 1e-3 21% and noisier (docs/results/refine.md); the streamed form's per-layer loss takes a larger one
-DEFAULT_LR = {"model": 4e-4, "streamed": 1e-3}
+# Adam's step, relative to each map tensor's RMS (an absolute step moves the maps of a model whose maps are
+# small, as Qwen2.5's are 30x SmolLM2's, by far more: docs/results/refine.md); the streamed form's
+# per-layer loss takes a larger one
+DEFAULT_LR = {"model": 2e-3, "streamed": 5e-3}
 DEFAULT_TOP_K = 32
 DEFAULT_EVAL_EVERY = 8  # steps between held-out evaluations (and checkpoints)
 DEFAULT_PATIENCE = 2  # evaluations without a better held-out loss before stopping
@@ -58,7 +59,7 @@ class RefineSettings:
     form: str = DEFAULT_FORM
     tokens: int = DEFAULT_TOKENS  # training tokens read (steps x seqlen)
     seqlen: int = DEFAULT_SEQLEN
-    lr: float | None = None  # None: DEFAULT_LR of the form
+    lr: float | None = None  # relative to each tensor's RMS; None: DEFAULT_LR of the form
     top_k: int = DEFAULT_TOP_K
     eval_every: int = DEFAULT_EVAL_EVERY
     patience: int = DEFAULT_PATIENCE
@@ -121,18 +122,33 @@ def map_modules(model, layers: list[int]) -> dict[int, nn.Module]:
     return {layer: getattr(decoder[layer], adapter.attn) for layer in layers}
 
 
+def optimizer_for(params: list[nn.Parameter], lr: float) -> torch.optim.Adam:
+    """Adam with each tensor's step ``lr`` times its starting RMS (a zero tensor takes its module's
+    weight's): Adam's early steps move every entry by about the step, so an absolute one would move
+    small maps more than large ones."""
+    groups = []
+    for param in params:
+        rms = float(param.detach().float().pow(2).mean().sqrt())
+        groups.append({"params": [param], "lr": lr * (rms if rms > 0 else getattr(param, "_nbl_scale", 1.0))})
+    return torch.optim.Adam(groups)
+
+
 def make_trainable(modules: dict[int, nn.Module]) -> list[nn.Parameter]:
     """The maps' tensors (buffers of apply.py's modules) as float32 parameters, in a fixed order; every
     other parameter of the model is frozen by the caller."""
     params = []
     for layer in sorted(modules):
         module = modules[layer]
+        # the scale of a map tensor that starts at zero (optimizer_for): its module's weight's
+        weight = getattr(module, "weight", None)
+        scale = float(weight.detach().float().pow(2).mean().sqrt()) if weight is not None else 1.0
         for name in sorted(module._buffers):
             tensor = module._buffers[name]
             if tensor is None:
                 continue
             del module._buffers[name]
             parameter = nn.Parameter(tensor.detach().clone().float())
+            parameter._nbl_scale = scale
             module.register_parameter(name, parameter)
             params.append(parameter)
     return params
@@ -333,7 +349,7 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
     apply_nbl(model, {layer: layer_type for layer in layers}, maps)
     modules = map_modules(model, layers)
     params = make_trainable(modules)
-    optimizer = torch.optim.Adam(params, lr=settings.learning_rate)
+    optimizer = optimizer_for(params, settings.learning_rate)
     # cosine decay to a tenth over the planned steps: the late steps settle instead of wandering
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 0.1 + 0.45 * (1 + math.cos(math.pi * min(i, steps) / steps)))
     saved = files.load("refine.pt")
@@ -450,7 +466,7 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
                 restore = replace_layer(stream.model, k, layer_type, {k: maps[k]})
                 try:
                     module = map_modules(stream.model, [k])
-                    optimizer = torch.optim.Adam(make_trainable(module), lr=settings.learning_rate)
+                    optimizer = optimizer_for(make_trainable(module), settings.learning_rate)
                     scale = target.float().pow(2).mean()
                     history = []
                     for epoch in range(settings.epochs):
