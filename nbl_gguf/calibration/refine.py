@@ -351,7 +351,8 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
     params = make_trainable(modules)
     optimizer = optimizer_for(params, settings.learning_rate)
     # cosine decay to a tenth over the planned steps: the late steps settle instead of wandering
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 0.1 + 0.45 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: 0.1 + 0.45 * (1 + math.cos(math.pi * min(i, steps) / steps)))
     saved = files.load("refine.pt")
     if saved is not None:
         _load_parameters(params, saved["params"])
@@ -365,10 +366,9 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
         step, waited = 0, 0
         best = {"step": 0, "nll": start_nll, "params": _parameter_state(params)}
         history = [(0, float(start_nll.mean()), None)]
-    stopped = "token budget"
     bar = tqdm(total=steps, initial=step, desc="refine", unit="step", disable=settings.no_progress, file=sys.stderr)
     window_loss = []
-    while step < steps:
+    while step < steps and waited < settings.patience:  # a resumed run that had stopped stays stopped
         piece = order[step]
         logits = _logits(model, pieces[piece:piece + 1])[0]
         loss = distillation_loss(logits, top_logp[position[piece]], top_ids[position[piece]])
@@ -393,10 +393,9 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
                                  "schedule": schedule.state_dict(), "step": step,
                                  "best": best, "history": history, "waited": waited,
                                  "start_nll": start_nll})
-        if waited >= settings.patience:
-            stopped = f"no better held-out loss in {settings.patience} evaluations"
-            break
     bar.close()
+    stopped = f"no better held-out loss in {settings.patience} evaluations" if waited >= settings.patience \
+        else "token budget"
     _load_parameters(params, best["params"])
     taps = int(maps[layers[0]].taps) if layer_type == ATTN_TAPS else 1
     report = {

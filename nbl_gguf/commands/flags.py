@@ -287,8 +287,8 @@ def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"tokens per training window, cut from the calibration windows (default: "
                             f"{refine.DEFAULT_SEQLEN})")
     group.add_argument("--refine-lr", type=float, default=None, metavar="LR",
-                       help="Adam's step, relative to each map tensor's RMS (default: " + ", ".join(f"{lr:g} for the {form} form" for form, lr in
-                                                                       refine.DEFAULT_LR.items()) + ")")
+                       help="Adam's step, relative to each map tensor's RMS (default: "
+                            + ", ".join(f"{lr:g} for the {form} form" for form, lr in refine.DEFAULT_LR.items()) + ")")
     group.add_argument("--refine-top-k", type=positive_int, default=refine.DEFAULT_TOP_K, metavar="K",
                        help=f"model form: the teacher's most likely tokens kept per position, the rest of its mass "
                             f"as one (default: {refine.DEFAULT_TOP_K})")
