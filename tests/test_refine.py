@@ -155,6 +155,8 @@ def test_the_streamed_form_fits_each_block_and_never_keeps_worse_maps(model, dat
     refined = run("streamed", model, ATTN_LINEAR, noisy, data, target=target)
     assert all(loss["last_epoch"] < loss["first_epoch"] for loss in refined.report["layer_losses"].values())
     assert refined.report["kept"] == "refined"
+    assert ("hidden state there" in refined.report["objective"]) == (target == "trajectory")
+    assert "memory_budget" not in refined.report["settings"] and refined.report["settings"]["target"] == target
     check_report_and_gain(model, ATTN_LINEAR, noisy, refined, heldout, 0.05)
     from_fit = run("streamed", model, ATTN_LINEAR, linear, data, target=target)
     held = from_fit.report["heldout"]

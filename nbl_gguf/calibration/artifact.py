@@ -287,14 +287,13 @@ def load_artifact(path: str | os.PathLike) -> CalibrationArtifact:
     return CalibrationArtifact(path, report, tensors, refined)
 
 
-def save_refined(path: str | os.PathLike, report: dict, tensors: dict[str, np.ndarray]) -> None:
-    """Add refined maps to the artifact at ``path``: their own file (named by its content, so that the
+def save_refined(artifact: CalibrationArtifact, report: dict, tensors: dict[str, np.ndarray]) -> None:
+    """Add refined maps to ``artifact``'s directory: their own file (named by its content, so that the
     report in place always names the file it was written with), then the report, each renamed into
     place; the refined maps of an earlier refinement are removed after."""
     import hashlib
 
-    path = Path(path)
-    artifact = load_artifact(path)
+    path = Path(artifact.path)
     content = hashlib.sha256()
     for name in sorted(tensors):
         content.update(name.encode() + np.ascontiguousarray(tensors[name]).tobytes())

@@ -9,8 +9,9 @@ output, after every later layer has reacted to every replaced one. Refinement mo
                (the rest of its mass kept as one outcome), Adam on the maps, early stopping on the
                selection's held-out windows (the maps of the best evaluation are kept).
     streamed   one decoder layer in memory, as the calibration: each replaced layer's map tuned so that
-               its decoder block's output (after the MLP) matches the unmodified block's on the inputs
-               that the already-refined earlier layers produce (mean squared error), then the next.
+               its decoder block's output (after the MLP), on the inputs that the already-refined earlier
+               layers produce, matches the unmodified model's hidden state there (or the unmodified
+               block's output on those inputs: RefineSettings.target), then the next.
 
 Both are deterministic for a seed and resumable (the state folder of calibration.resume). What was
 refined and how far the held-out loss moved is recorded in the artifact (``save_refined``), whose
@@ -49,7 +50,8 @@ DEFAULT_STREAMED_EPOCHS = 3  # passes of the streamed form over each layer's tok
 # output 1% (docs/results/refine.md)
 TARGETS = ("trajectory", "block")
 DEFAULT_TARGET = "trajectory"
-REFINED_WEIGHTS = "refined.safetensors"
+# what the state key and the report record of the settings: not where progress goes or how much memory was allowed
+UNRECORDED = ("no_progress", "memory_budget")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,10 @@ class RefineSettings:
     def learning_rate(self) -> float:
         return DEFAULT_LR[self.form] if self.lr is None else self.lr
 
+    def recorded(self) -> dict:
+        """The settings that shape the maps (the resume state's key, the artifact's and the GGUF's record)."""
+        return {key: value for key, value in asdict(self).items() if key not in UNRECORDED}
+
 
 @dataclass
 class Refined:
@@ -122,36 +128,30 @@ def map_modules(model, layers: list[int]) -> dict[int, nn.Module]:
     return {layer: getattr(decoder[layer], adapter.attn) for layer in layers}
 
 
-def optimizer_for(params: list[nn.Parameter], lr: float) -> torch.optim.Adam:
-    """Adam with each tensor's step ``lr`` times its starting RMS (a zero tensor takes its module's
-    weight's): Adam's early steps move every entry by about the step, so an absolute one would move
-    small maps more than large ones."""
-    groups = []
-    for param in params:
-        rms = float(param.detach().float().pow(2).mean().sqrt())
-        groups.append({"params": [param], "lr": lr * (rms if rms > 0 else getattr(param, "_nbl_scale", 1.0))})
-    return torch.optim.Adam(groups)
+def _rms(tensor: torch.Tensor) -> float:
+    return float(tensor.detach().float().pow(2).mean().sqrt())
 
 
-def make_trainable(modules: dict[int, nn.Module]) -> list[nn.Parameter]:
-    """The maps' tensors (buffers of apply.py's modules) as float32 parameters, in a fixed order; every
-    other parameter of the model is frozen by the caller."""
-    params = []
+def make_trainable(modules: dict[int, nn.Module], lr: float) -> tuple[list[nn.Parameter], torch.optim.Adam]:
+    """The maps' tensors (buffers of apply.py's modules) as float32 parameters, in a fixed order, and Adam
+    over them with each tensor's step ``lr`` times its starting RMS (a tensor that starts at zero takes its
+    module's weight's): Adam's early steps move every entry by about the step, so an absolute one would
+    move small maps more than large ones. Every other parameter of the model is frozen by the caller."""
+    params, groups = [], []
     for layer in sorted(modules):
         module = modules[layer]
-        # the scale of a map tensor that starts at zero (optimizer_for): its module's weight's
         weight = getattr(module, "weight", None)
-        scale = float(weight.detach().float().pow(2).mean().sqrt()) if weight is not None else 1.0
+        fallback = _rms(weight) if weight is not None else 1.0
         for name in sorted(module._buffers):
             tensor = module._buffers[name]
             if tensor is None:
                 continue
             del module._buffers[name]
             parameter = nn.Parameter(tensor.detach().clone().float())
-            parameter._nbl_scale = scale
             module.register_parameter(name, parameter)
             params.append(parameter)
-    return params
+            groups.append({"params": [parameter], "lr": lr * (_rms(parameter) or fallback)})
+    return params, torch.optim.Adam(groups)
 
 
 def read_maps(modules: dict[int, nn.Module], taps: int) -> dict:
@@ -198,8 +198,8 @@ def model_bytes(config, form: str, seqlen: int, dtype) -> tuple[int, str]:
         activations = seqlen * (n_layer * per_token_layer + 3 * vocab * 4)  # logits, log-softmax, their grad
     else:
         activations = seqlen * per_token_layer * 2
-    what = (f"{'the model' if form == 'model' else 'one layer'}'s weights {weights / 2**30:.2f} GiB and the activations "
-            f"of a {seqlen}-token window {activations / 2**30:.2f} GiB")
+    what = (f"{'the model' if form == 'model' else 'one layer'}'s weights {weights / 2**30:.2f} GiB and the "
+            f"activations of a {seqlen}-token window {activations / 2**30:.2f} GiB")
     return weights + activations, what
 
 
@@ -348,8 +348,7 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
 
     apply_nbl(model, {layer: layer_type for layer in layers}, maps)
     modules = map_modules(model, layers)
-    params = make_trainable(modules)
-    optimizer = optimizer_for(params, settings.learning_rate)
+    params, optimizer = make_trainable(modules, settings.learning_rate)
     # cosine decay to a tenth over the planned steps: the late steps settle instead of wandering
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: 0.1 + 0.45 * (1 + math.cos(math.pi * min(i, steps) / steps)))
@@ -408,7 +407,7 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
                     "lmmse_nll": _kinds_report(start_nll, kinds),
                     "refined_nll": _kinds_report(best["nll"], kinds)},
         "history": [{"step": s, "heldout_nll": h, "train_kl": t} for s, h, t in history],
-        "settings": asdict(settings), "seconds": round(time.perf_counter() - started, 1),
+        "settings": settings.recorded(), "seconds": round(time.perf_counter() - started, 1),
     }
     return Refined(sorted(layers), taps, read_maps(modules, taps), report)
 
@@ -435,7 +434,8 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
     taps = int(maps[layers[0]].taps) if layer_type == ATTN_TAPS else 1
     saved = files.load("streamed.pt")
     if saved is not None:
-        first, hidden, refined_maps, losses = saved["next_layer"], saved["hidden"], saved["maps"], saved["losses"]
+        first, hidden, teacher = saved["next_layer"], saved["hidden"], saved["teacher"]
+        refined_maps, losses = saved["maps"], saved["losses"]
         log(f"refine: resuming at layer {first} (state {state.folder})")
     else:
         stream.prepare_embedding(chosen)
@@ -445,8 +445,6 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
             stream.release_embedding()
         first, refined_maps, losses = 0, {}, {}
         teacher = hidden.clone() if settings.target == "trajectory" else None
-    if saved is not None:
-        teacher = saved.get("teacher")
 
     def run_all(k: int, states=None) -> torch.Tensor:
         states = hidden if states is None else states
@@ -465,7 +463,7 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
                 restore = replace_layer(stream.model, k, layer_type, {k: maps[k]})
                 try:
                     module = map_modules(stream.model, [k])
-                    optimizer = optimizer_for(make_trainable(module), settings.learning_rate)
+                    _, optimizer = make_trainable(module, settings.learning_rate)
                     scale = target.float().pow(2).mean()
                     history = []
                     for epoch in range(settings.epochs):
@@ -500,15 +498,16 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
         kept, refined_maps, refined = "lmmse (the refined maps were worse on the held-out windows)", dict(maps), lmmse
     report = {
         "form": "streamed", "layers": sorted(layers), "taps": taps,
-        "objective": "each replaced block's output (after the MLP) against the unmodified block's on the same "
-                     "inputs, relative mean squared error, layer by layer",
+        "objective": "each replaced block's output (after the MLP) against "
+                     + ("the unmodified model's hidden state there" if settings.target == "trajectory" else
+                        "the unmodified block's on the same inputs") + ", relative mean squared error, layer by layer",
         "epochs": settings.epochs, "tokens_read": int(chosen.numel()) * settings.epochs,
         "heldout": {"windows": int(heldout.shape[0]), "tokens": int(heldout.numel()),
                     "unmodified_nll": _kinds_report(unmodified, kinds),
                     "lmmse_nll": _kinds_report(lmmse, kinds),
                     "refined_nll": _kinds_report(refined, kinds)},
         "kept": kept, "layer_losses": {str(k): v for k, v in sorted(losses.items())},
-        "settings": asdict(settings), "seconds": round(time.perf_counter() - started, 1),
+        "settings": settings.recorded(), "seconds": round(time.perf_counter() - started, 1),
     }
     return Refined(sorted(layers), taps, refined_maps, report)
 
@@ -545,6 +544,7 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     from nbl_gguf.calibration import dataset
     from nbl_gguf.calibration.resume import CalibrationState, digest, model_identity, tokens_digest
     from nbl_gguf.calibration.settings import DEFAULT_NSAMPLES, memory_budget_bytes
+    from transformers import AutoConfig
 
     log = log or (lambda text: print(text, file=sys.stderr))
     settings.check()
@@ -552,10 +552,9 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
         raise NblError("--refine: no layer is replaced, so there is no map to refine")
     device = models.resolve_device(calibration.device)
     dtype = models.resolve_dtype(calibration.dtype, device)
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(str(source.hf_folder()))
-    available = memory_budget_bytes(calibration) if settings.memory_budget is None else int(settings.memory_budget * 2**30)
+    available = memory_budget_bytes(calibration) if settings.memory_budget is None \
+        else int(settings.memory_budget * 2**30)
     check_memory(config, settings, dtype, available)
     if calibration.threads is not None:
         torch.set_num_threads(calibration.threads)
@@ -574,7 +573,7 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
         log("refine: note: the calibration windows differ from those the artifact was fitted on "
             "(another --dataset, --nsamples or --seqlen): the maps are refined on these")
     pieces = training_pieces(calib.input_ids, settings.seqlen)
-    inputs = {"refine": {k: v for k, v in asdict(settings).items() if k not in ("no_progress", "memory_budget")},
+    inputs = {"refine": settings.recorded(),
               "layers": sorted(layers), "layer_type": layer_type, "dtype": str(dtype), "device": device.split(":")[0],
               "tokens": tokens_digest(pieces, heldout),
               "maps": digest({str(k): _map_digest(v) for k, v in sorted(maps.items())})}
@@ -621,12 +620,12 @@ def artifact_maps(artifact, layers: list[int]) -> tuple[int, dict]:
     return ATTN_LINEAR, {layer: artifact.linear(layer, "attn") for layer in layers}
 
 
-def refine_artifact(path, source, calibration, layers: list[int], settings: RefineSettings, log=None):
-    """Refine the maps of ``layers`` of the artifact at ``path`` and add them to it; the artifact, reloaded."""
+def refine_artifact(artifact, source, calibration, layers: list[int], settings: RefineSettings, log=None):
+    """Refine the maps of ``layers`` of ``artifact`` (a loaded CalibrationArtifact) and add them to it; the
+    artifact, reloaded."""
     from nbl_gguf.calibration.artifact import load_artifact, save_refined
 
-    artifact = load_artifact(path)
     layer_type, maps = artifact_maps(artifact, layers)
     refined = refine(source, calibration, layers, layer_type, maps, settings, artifact.report.get("data"), log)
-    save_refined(path, refined.report, refined.tensors())
-    return load_artifact(path)
+    save_refined(artifact, refined.report, refined.tensors())
+    return load_artifact(artifact.path)

@@ -56,6 +56,6 @@ def run(args: argparse.Namespace) -> int:
     path = calibrate(chosen)
     artifact = load_artifact(path)
     if refine is not None:
-        artifact = refine_artifact(path, resolve_model(chosen.model), chosen, artifact.select(), refine)
+        artifact = refine_artifact(artifact, resolve_model(chosen.model), chosen, artifact.select(), refine)
     print(describe_artifact(artifact))
     return 0

@@ -303,8 +303,7 @@ def convert(args) -> Summary:
 
             with stage("refine"):
                 if selected and not artifact.refined_for(selected, taps):
-                    artifact = refine_artifact(artifact.path, source, calibration_settings(args, artifact.path, model,
-                                                                                           taps),
+                    artifact = refine_artifact(artifact, source, calibration_settings(args, artifact.path, model, taps),
                                                selected, flags.refine_settings(args))
         layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
         if not args.calibration:

@@ -70,8 +70,7 @@ def main(argv=None) -> int:
 
     forward_s = timed(lambda: stream.run_layer(0, hidden))
     replace_layer(stream.model, 0, ATTN_TAPS, {0: taps_map})
-    module = map_modules(stream.model, [0])
-    optimizer = torch.optim.Adam(make_trainable(module), lr=1e-3)
+    _, optimizer = make_trainable(map_modules(stream.model, [0]), 2e-3)
     target = stream.run_layer(0, hidden)
 
     def step():
