@@ -180,6 +180,9 @@ CASES = {
                                          (r"--window-size 512 at --window-ctx 1024: .* \(1025 or more\)",)),
     "convert-window-sinks-negative": Case(("convert", "--windows", "1", "--window-sinks", "-1", "-o", "out.gguf"),
                                           (r"--window-sinks: .*expected 0 or more, got -1",)),
+    "convert-window-retrieval-word": Case(("convert", "--windows", "1", "--window-retrieval", "strict", "-o", "out.gguf"),
+                                          (r"--window-retrieval: expected nats per answer token \(0 or more\) or 'off', "
+                                           r"got 'strict'",)),
     "calibrate-m-negative": Case(("calibrate", "--model", "{model}", "--m", "-1", "--device", "cpu", "-o", "cal"),
                                  (r"--m -1 is out of range: the model has 4 layers",)),
     # empty and non-text datasets

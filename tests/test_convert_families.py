@@ -202,11 +202,14 @@ def test_window_layers_logits_match_pytorch(family, m, tmp_path):
     name, model_dir, artifact_dir, artifact = family
     output = tmp_path / f"{name}-windows.gguf"
     summary = convert(convert_args(model=str(model_dir), calibration=str(artifact_dir), m=m, quant="f32",
-                                   windows=2, window_size=8, window_sinks=2, window_ctx=64, output=str(output)))
+                                   windows=2, window_size=8, window_sinks=2, window_ctx=128, output=str(output)))
     windows = nbl_format.read_windows(gguf.GGUFReader(output))
     assert windows.size == 8 and windows.sinks == 2 and len(windows.layers) == 2
     assert not set(windows.layers) & set(summary.replaced)
     assert summary.windows["layers"] == list(windows.layers)
+    walk = summary.windows["retrieval"]  # the retrieval probes' walk (--window-retrieval's default)
+    assert set(walk["kept"]) <= set(windows.layers) and len(walk["kept"]) + len(walk["refused"]) >= 2
+    assert "retrieval: 6 facts hidden" in summary.table()
 
     types = artifact.layer_types(m, "cca", "attn-nbl") if m else [0] * N_LAYER
     assert len(summary.replaced) == m

@@ -102,3 +102,100 @@ def test_bad_choices_are_refused_by_name(stream_and_model):
         choose_windows(stream, ids, 1, Window(8, 2), replaced={1: ATTN_LINEAR}, candidates=[1, 2])
     with pytest.raises(NblError, match="a window of 0 tokens"):
         Window(0, 2)
+
+
+def char_tokenizer(texts):
+    """A character-level fast tokenizer (every digit its own token, as in our models' tokenizers)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted({c for t in texts for c in t})
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[UNK]": 2} | {c: i + 3 for i, c in enumerate(chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="[BOS]", unk_token="[UNK]", pad_token="[PAD]")
+
+
+def test_retrieval_probes_hide_the_fact_beyond_the_window_and_score_its_answer():
+    from nbl_gguf.calibration import windows as w
+
+    text = "the quick brown fox jumps over the lazy dog; " * 40
+    tokenizer = char_tokenizer([text, w.PROBE_NEEDLE, w.PROBE_QUESTION, "0123456789", *w.PROBE_NAMES])
+    ctx, window = 900, Window(size=200, sinks=3)
+    ids = torch.tensor([[1] + tokenizer(text, add_special_tokens=False)["input_ids"][:ctx - 1]] * 2)
+    probes = w.retrieval_probes(tokenizer, ids, window, depths=(0.0, 1.0), seed=7)
+    assert probes.ids.shape == (4, ctx) and probes.scored.shape == (4, ctx - 1)
+    for row, scored, distance in zip(probes.ids, probes.scored, probes.distances):
+        decoded = tokenizer.decode(row[1:]).replace(" ", "")
+        answer = tokenizer.decode(row[1:][scored]).replace(" ", "")  # row t of token_nll predicts token t + 1
+        assert len(answer) == 5 and answer.isdigit() and scored.sum() == 6  # the key, after its space
+        name = next(n for n in w.PROBE_NAMES if w.PROBE_QUESTION.format(name=n).replace(" ", "") in decoded)
+        needle = w.PROBE_NEEDLE.format(name=name, key=answer).replace(" ", "")
+        assert decoded.count(needle) == 1 and decoded.endswith(answer + ".")
+        assert int(row[0]) == 1 and distance > window.size
+        question = tokenizer(w.PROBE_QUESTION.format(name=name) + f" {answer}.", add_special_tokens=False)["input_ids"]
+        needle_ids = tokenizer(w.PROBE_NEEDLE.format(name=name, key=answer), add_special_tokens=False)["input_ids"]
+        at = next(i for i in range(ctx) if row[i:i + len(needle_ids)].tolist() == needle_ids)
+        assert ctx - len(question) - at - len(needle_ids) == distance
+        assert at > window.sinks  # not a fact the sinks keep
+        assert row[1:at].tolist() == ids[0, 1:at].tolist()  # the text itself around the fact
+    assert probes.distances[0] > probes.distances[1]  # depth 0: the fact farthest back
+    with pytest.raises(NblError, match="needs more than 900 tokens at a window of 800"):
+        w.retrieval_probes(tokenizer, ids, Window(size=800, sinks=3))
+
+
+def whole_model_answer_loss(model, probes, kinds, maps) -> float:
+    import copy
+
+    variant = apply_nbl(copy.deepcopy(model), kinds, maps)
+    with torch.no_grad():
+        logits = variant(probes.ids).logits.double()
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), probes.ids[:, 1:].reshape(-1),
+                                            reduction="none").reshape(probes.scored.shape)
+    return float(nll[probes.scored].mean())
+
+
+def test_the_retrieval_walk_equals_the_whole_model_measured_per_step(stream_and_model):
+    from nbl_gguf.calibration.windows import RetrievalProbes
+
+    stream, model, ids = stream_and_model
+    window = Window(size=4, sinks=1)
+    probe_ids = torch.randint(4, 40, (2, 96), generator=torch.Generator().manual_seed(9))
+    probe_ids[:, 85:91] = probe_ids[:, 10:16]  # a span repeated from far back: what only a full layer can see
+    scored = torch.zeros(2, 95, dtype=torch.bool)
+    scored[:, 85:90] = True
+    probes = RetrievalProbes(probe_ids, scored, (69, 69))
+    free = choose_windows(stream, ids, 1, window)
+    by_text = sorted(free.increases, key=lambda i: (free.increases[i], i))
+
+    # the walk done here on the whole model, at a tolerance that keeps some layers and refuses others
+    base = whole_model_answer_loss(model, probes, {}, {})
+    alone = sorted(whole_model_answer_loss(model, probes, {i: ATTN_WINDOW}, {i: window}) - base for i in by_text)
+    tolerance = (alone[2] + alone[3]) / 2
+    kept, refused = [], {}
+    for layer in by_text:
+        if len(kept) == 3:
+            break
+        layers = kept + [layer]
+        loss = whole_model_answer_loss(model, probes, {i: ATTN_WINDOW for i in layers}, {i: window for i in layers})
+        if loss <= base + tolerance:
+            kept.append(layer)
+        else:
+            refused[layer] = loss
+    assert kept and refused  # the tolerance divides: the test can tell a walk from a ranking
+
+    choice = choose_windows(stream, ids, 3, window, probes=probes, tolerance=tolerance)
+    guard = choice.retrieval
+    assert guard.base_loss == pytest.approx(base, abs=1e-5)
+    assert guard.kept == kept and sorted(guard.refused) == sorted(refused)
+    for layer, loss in refused.items():
+        assert guard.refused[layer] == pytest.approx(loss, abs=1e-5)
+    fill = sorted(refused, key=lambda i: refused[i])[:3 - len(kept)]
+    assert choice.layers == tuple(sorted(kept + fill))
+    assert choice.order[:len(kept)] == kept and sorted(choice.order) == sorted(by_text)
+    assert choice.report()["retrieval"]["kept"] == kept
+    # holding fewer layers' inputs (the walk restarting from an earlier one) changes nothing
+    from nbl_gguf.calibration.windows import guarded_walk
+
+    sparse = guarded_walk(stream, probes, by_text, 3, window, {}, lambda layer, _type: window, tolerance, hold_bytes=1)
+    assert (sparse.kept, sparse.losses, sparse.refused) == (guard.kept, guard.losses, guard.refused)

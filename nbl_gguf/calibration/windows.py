@@ -7,6 +7,12 @@ through the stream's variant evaluator: one decoder layer in memory at a time, e
 variant sharing the model's track up to its window layer. Each candidate is measured alone on top of
 the layers already replaced (NBL or taps maps); the cheapest are chosen, and the chosen set is then
 measured together, since the costs of several windows do not simply add up.
+
+The loss on text barely sees retrieval (a fact far back asked for at the end): on SmolLM2, 15 window
+layers chosen by it cost +1.5% at 4,096 tokens and lost a passkey that the stock file finds. With
+retrieval probes (retrieval_probes), the layers are taken in the order of their cost on text, each kept
+only if the probes' answer loss of the set so far with it stays within a tolerance of the loss without
+window layers: a set measured, since no one layer alone loses the answer.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from nbl_gguf.errors import NblError
 DEFAULT_SIZE = 512
 DEFAULT_SINKS = 4  # the first tokens most heads of our models lean on (docs/results/window.md)
 DEFAULT_CTX = 4096  # the context the choice is measured at (the model's training context if shorter)
+# nats per answer token over the loss without window layers (SmolLM2: 0.41 without; the 8 layers cheapest on text
+# 0.70, which kept a passkey; 15 layers 0.86, which lost it: docs/results/window.md)
+DEFAULT_RETRIEVAL_TOLERANCE = 0.15
 
 
 @dataclass(frozen=True)
@@ -45,11 +54,43 @@ class WindowChoice:
     base_loss: float  # nats per scored token, without window layers (with the replaced layers)
     loss: float  # the chosen window layers together
     increases: dict[int, float] = field(default_factory=dict)  # each candidate alone: loss - base_loss
+    retrieval: RetrievalGuard | None = None  # the probes' walk, when the choice had probes
+
+    @property
+    def order(self) -> list[int]:
+        """The candidates in the order they are best made window layers: with probes, those the walk kept,
+        then those it refused, then those it did not reach (each group by cost on text)."""
+        by_text = sorted(self.increases, key=lambda i: (self.increases[i], i))
+        if self.retrieval is None:
+            return by_text
+        kept, refused = self.retrieval.kept, list(self.retrieval.refused)
+        return kept + refused + [i for i in by_text if i not in kept and i not in refused]
 
     def report(self) -> dict:
         return {"layers": list(self.layers), "size": self.window.size, "sinks": self.window.sinks, "ctx": self.ctx,
                 "texts": self.texts, "base_loss": self.base_loss, "loss": self.loss,
-                "increases": {str(k): v for k, v in sorted(self.increases.items())}}
+                "increases": {str(k): v for k, v in sorted(self.increases.items())}} | \
+            ({"retrieval": self.retrieval.report()} if self.retrieval is not None else {})
+
+
+@dataclass
+class RetrievalGuard:
+    probes: int
+    distances: tuple[int, ...]
+    tolerance: float
+    base_loss: float  # nats per answer token without window layers (with the replaced layers)
+    kept: list[int] = field(default_factory=list)  # in the order the walk took them
+    losses: list[float] = field(default_factory=list)  # the set's answer loss as each was kept
+    refused: dict[int, float] = field(default_factory=dict)  # the set's answer loss with it
+
+    @property
+    def loss(self) -> float:
+        return self.losses[-1] if self.losses else self.base_loss
+
+    def report(self) -> dict:
+        return {"probes": self.probes, "distances": list(self.distances), "tolerance": self.tolerance,
+                "base_loss": self.base_loss, "loss": self.loss, "kept": self.kept, "losses": self.losses,
+                "refused": {str(k): v for k, v in self.refused.items()}}
 
 
 def recall_window(ids: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -62,6 +103,74 @@ def recall_window(ids: torch.Tensor, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     first = vocabulary[torch.randint(len(vocabulary), (ctx - ctx // 2,), generator=generator)]
     return torch.cat([first, first[:ctx // 2]])[None]
+
+
+# A fact stated once in ordinary text and asked for at the end: its answer is predictable only from far back,
+# which a window layer cannot see. Not measurement.passkey's wording or filler (that is the evaluation).
+PROBE_NEEDLE = "\nNote for later: the code word {name} stands for the number {key}.\n"
+PROBE_QUESTION = "\nQuestion: which number does the code word {name} stand for? Answer: the number"
+PROBE_NAMES = ("amber", "falcon", "juniper", "quartz", "harbor", "violet", "meadow", "cobalt", "orchid", "lantern",
+               "saffron", "glacier")
+
+
+@dataclass(frozen=True)
+class RetrievalProbes:
+    """Windows of text [n, ctx] each hiding a fact far back and asking for it at its end; ``scored`` [n,
+    ctx - 1]: the positions of stream.token_nll's rows that predict the answer's tokens."""
+    ids: torch.Tensor
+    scored: torch.Tensor
+    distances: tuple[int, ...]  # tokens from each fact to its question
+
+
+def retrieval_probes(tokenizer, ids: torch.Tensor, window: Window, depths: Sequence[float] = (0.25, 0.75),
+                     seed: int = 0) -> RetrievalProbes:
+    """One probe per (text window of ``ids`` [n, ctx], depth): the window's own text with a fact (a code word
+    and a five-digit number) inserted at ``depth`` of the span that lies beyond ``window`` from the question,
+    and the question with its answer at the end (the text cut to keep ``ctx`` tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    ctx = ids.shape[1]
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    rows, masks, distances = [], [], []
+    for n, text in enumerate(ids):
+        for depth in depths:
+            name, key = rng.choice(PROBE_NAMES), rng.randrange(10000, 100000)
+            needle = encode(PROBE_NEEDLE.format(name=name, key=key))
+            question = encode(PROBE_QUESTION.format(name=name))
+            tail = encode(PROBE_QUESTION.format(name=name) + f" {key}.")
+            answer = len(tail) - len(question) - 1  # the key's tokens (the full stop not scored)
+            first = window.sinks + 8  # past the sinks: a fact the sinks keep would not test the layer
+            last = ctx - len(tail) - len(needle) - window.size - 8  # beyond the window from the question
+            if answer < 1 or last <= first:
+                raise NblError(f"a retrieval probe needs more than {ctx} tokens at a window of {window.size} (a longer "
+                               f"--window-ctx, or --window-retrieval off)")
+            at = first + int(round(depth * (last - first)))
+            filler = text[1:ctx - len(tail) - len(needle)].tolist()  # text[0]: the tokenizer's BOS, kept
+            row = [int(text[0])] + filler[:at - 1] + needle + filler[at - 1:] + tail
+            mask = torch.zeros(ctx - 1, dtype=torch.bool)
+            mask[ctx - 2 - answer:ctx - 2] = True  # rows predicting tokens ctx-1-answer .. ctx-2
+            rows.append(torch.tensor(row[:ctx]))
+            masks.append(mask)
+            distances.append(ctx - len(tail) - at - len(needle))
+    return RetrievalProbes(torch.stack(rows), torch.stack(masks), tuple(distances))
+
+
+def answer_loss(stream, finals: Sequence[torch.Tensor], probes: RetrievalProbes) -> list[float]:
+    """Mean NLL of the probes' answer tokens for each final hidden state (nats per token)."""
+    stream.load_head()
+    try:
+        out = []
+        for final in finals:
+            values = torch.cat([stream.token_nll(final[i:i + 1], probes.ids[i:i + 1])
+                                for i in range(probes.ids.shape[0])])
+            out.append(float(values[probes.scored].mean()))
+        return out
+    finally:
+        stream.release_head()
 
 
 def second_half_loss(stream, finals: Sequence[torch.Tensor], ids: torch.Tensor) -> list[float]:
@@ -78,11 +187,74 @@ def second_half_loss(stream, finals: Sequence[torch.Tensor], ids: torch.Tensor) 
         stream.release_head()
 
 
+HOLD_BYTES = 2 << 30  # the walk's held hidden states, at most (an 8B model's 33 layer inputs would be 6.6 GB)
+
+
+def guarded_walk(stream, probes: RetrievalProbes, order: Sequence[int], count: int, window: Window,
+                 replaced: Mapping[int, int], layer_map: Callable, tolerance: float,
+                 hold_bytes: int = HOLD_BYTES) -> RetrievalGuard:
+    """Take the layers of ``order`` one by one until ``count`` are kept, each kept if the probes' answer loss
+    with it and those kept before stays within ``tolerance`` of the loss without window layers.
+
+    The kept set's hidden states are held at every ``stride``-th layer's input (as many as ``hold_bytes``
+    allows), so a candidate runs from the held input at or before its own layer on: the layers before
+    it see the set unchanged."""
+    from nbl_gguf.calibration.apply import replace_layer
+
+    n_layer = stream.num_layers
+    per_layer = probes.ids.numel() * stream.hidden_size * torch.finfo(stream.dtype).bits // 8
+    stride = max(1, -(-per_layer * (n_layer + 1) // max(1, hold_bytes)))
+
+    def run(track: dict[int, torch.Tensor], first: int, variant: Mapping[int, int]) -> dict[int, torch.Tensor]:
+        start = max(k for k in track if k <= first)
+        held = {k: v for k, v in track.items() if k <= start}
+        hidden = track[start]
+        for k in range(start, n_layer):
+            stream.load_layer(k)
+            restore = replace_layer(stream.model, k, variant[k], {k: layer_map(k, variant[k])}) if k in variant else None
+            try:
+                hidden = torch.cat([stream.run_layer(k, hidden[i:i + 1]) for i in range(hidden.shape[0])])
+            finally:
+                if restore is not None:
+                    restore()
+                stream.release_layer(k)
+            if (k + 1) % stride == 0 or k + 1 == n_layer:
+                held[k + 1] = hidden
+        return held
+
+    stream.prepare_embedding(probes.ids)
+    try:
+        start = {0: torch.cat([stream.embed(probes.ids[i:i + 1]) for i in range(probes.ids.shape[0])])}
+    finally:
+        stream.release_embedding()
+    variant = dict(replaced)
+    track = run(start, 0, variant)
+    guard = RetrievalGuard(int(probes.ids.shape[0]), probes.distances, tolerance,
+                           answer_loss(stream, [track[n_layer]], probes)[0])
+    for layer in order:
+        if len(guard.kept) == count:
+            break
+        trial = run(track, layer, {**variant, layer: ATTN_WINDOW})
+        loss = answer_loss(stream, [trial[n_layer]], probes)[0]
+        if loss <= guard.base_loss + tolerance:
+            variant[layer] = ATTN_WINDOW
+            track = trial
+            guard.kept.append(layer)
+            guard.losses.append(loss)
+        else:
+            guard.refused[layer] = loss
+    return guard
+
+
 def choose_windows(stream, ids: torch.Tensor, count: int, window: Window, *, replaced: Mapping[int, int] | None = None,
-                   maps: Callable | None = None, candidates: Sequence[int] | None = None) -> WindowChoice:
+                   maps: Callable | None = None, candidates: Sequence[int] | None = None,
+                   probes: RetrievalProbes | None = None,
+                   tolerance: float = DEFAULT_RETRIEVAL_TOLERANCE) -> WindowChoice:
     """The ``count`` layers (of ``candidates``, by default every layer not in ``replaced``) whose window
     costs least on windows ``ids`` [texts, ctx], each measured alone on top of ``replaced`` ({layer:
-    apply.py type}, their maps from ``maps(layer, type)``), then together."""
+    apply.py type}, their maps from ``maps(layer, type)``), then together. With ``probes``, taken in that
+    order only while the probes' answer loss stays within ``tolerance`` (guarded_walk); if fewer than
+    ``count`` pass, the rest are those it refused, the least harmful first."""
     from nbl_gguf.calibration.variants import run_variants
 
     replaced = dict(replaced or {})
@@ -104,8 +276,15 @@ def choose_windows(stream, ids: torch.Tensor, count: int, window: Window, *, rep
     losses = second_half_loss(stream, run_variants(stream, ids, variants, layer_map), ids)
     base = losses[0]
     increases = dict(zip(pool, (loss - base for loss in losses[1:])))
-    chosen = tuple(sorted(sorted(pool, key=lambda i: (increases[i], i))[:count]))
+    by_text = sorted(pool, key=lambda i: (increases[i], i))
+    guard = None
+    if probes is not None:
+        guard = guarded_walk(stream, probes, by_text, count, window, replaced, layer_map, tolerance)
+        fill = sorted(guard.refused, key=lambda i: (guard.refused[i], i))[:count - len(guard.kept)]
+        chosen = tuple(sorted(guard.kept + fill))
+    else:
+        chosen = tuple(sorted(by_text[:count]))
     together = {**replaced, **{i: ATTN_WINDOW for i in chosen}}
     loss = losses[1 + pool.index(chosen[0])] if count == 1 else \
         second_half_loss(stream, run_variants(stream, ids, [together], layer_map), ids)[0]
-    return WindowChoice(chosen, window, int(ids.shape[1]), int(ids.shape[0]), base, loss, increases)
+    return WindowChoice(chosen, window, int(ids.shape[1]), int(ids.shape[0]), base, loss, increases, guard)

@@ -484,7 +484,7 @@ def window_layers(args, source, layers, ctx: int, count: int | None = None):
     from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, ATTN_TAPS
     from nbl_gguf.calibration.dataset import KINDS, bundled_selection_windows
     from nbl_gguf.calibration.stream import LayerStream
-    from nbl_gguf.calibration.windows import Window, choose_windows
+    from nbl_gguf.calibration.windows import Window, choose_windows, retrieval_probes
     from nbl_gguf.gguf import nbl_format
 
     count = args.windows if count is None else count
@@ -503,8 +503,10 @@ def window_layers(args, source, layers, ctx: int, count: int | None = None):
     def maps(layer: int, layer_type: int):
         return layers.linear[layer] if layer_type == ATTN_LINEAR else layers.taps[layer]
 
-    return choose_windows(stream, ids, count, Window(args.window_size, args.window_sinks),
-                          replaced=replaced, maps=maps)
+    window = Window(args.window_size, args.window_sinks)
+    guard = {} if args.window_retrieval is None else \
+        {"probes": retrieval_probes(stream.tokenizer, ids, window), "tolerance": args.window_retrieval}
+    return choose_windows(stream, ids, count, window, replaced=replaced, maps=maps, **guard)
 
 
 def window_report(choice, layers) -> dict | None:
@@ -528,16 +530,17 @@ def source_architecture(source) -> str:
 
 
 def budget_window_order(args, source, n_layer: int, ctx: int) -> list[int] | None:
-    """The layers in the order their window costs least (each measured alone on the stock model), when the
-    file can carry window layers; else None."""
+    """The layers in the order they are best made window layers (calibration.windows.WindowChoice.order: each
+    measured alone on the stock model, and walked with the retrieval probes unless --window-retrieval off),
+    when the file can carry window layers; else None."""
     from nbl_gguf.gguf import nbl_format
 
     if args.runtime != "nbl" or source_architecture(source) not in nbl_format.WINDOW_ARCHITECTURES \
             or ctx <= 2 * args.window_size:
         return None
     stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
-    choice = window_layers(args, source, stock, ctx, count=1)
-    return sorted(choice.increases, key=lambda i: (choice.increases[i], i))
+    choice = window_layers(args, source, stock, ctx, count=1 if args.window_retrieval is None else n_layer)
+    return choice.order
 
 
 # --- --kv-budget ---------------------------------------------------------------------------------------

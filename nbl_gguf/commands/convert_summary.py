@@ -107,9 +107,19 @@ class Summary:
             line += (f"; chosen by the perplexity each costs alone ({alone}) and together "
                      f"{math.expm1(w['loss'] - w['base_loss']):+.1%}, on the second half of {w['texts']} selection "
                      f"texts of {w['ctx']:,} tokens")
-        return [line,
-                "  llama-cpp-python: load it with swa_full=False, or the window layers cache the whole context "
-                "(llama-cli and llama-server: as long as --swa-full is not given)"]
+        lines = [line]
+        if "retrieval" in w:
+            r = w["retrieval"]
+            refused = ", ".join(f"{layer} ({loss - r['base_loss']:+.2f})" for layer, loss in r["refused"].items())
+            lines.append(f"  retrieval: {r['probes']} facts hidden {min(r['distances']):,}-{max(r['distances']):,} tokens "
+                         f"back, answer loss {r['base_loss']:.2f} -> {r['loss']:.2f} nats per token (tolerance "
+                         f"+{r['tolerance']:g}); refused as window layers: {refused or 'none'}")
+            if len(r["kept"]) < len(w["layers"]):
+                lines.append(f"  warning: only {len(r['kept'])} window layers kept the answers within the tolerance; "
+                             f"{len(w['layers']) - len(r['kept'])} more were taken among the refused (long-range "
+                             f"retrieval may suffer: ask for fewer --windows)")
+        return lines + ["  llama-cpp-python: load it with swa_full=False, or the window layers cache the whole context "
+                        "(llama-cli and llama-server: as long as --swa-full is not given)"]
 
     def budget_lines(self) -> list[str]:
         """What --kv-budget measured: each cache type's fewest layers within the budget, best first."""

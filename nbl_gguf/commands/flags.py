@@ -190,9 +190,22 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def retrieval_tolerance(text: str) -> float | None:
+    """--window-retrieval: nats per answer token, or 'off' (None)."""
+    if text == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected nats per answer token (0 or more) or 'off', got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected nats per answer token (0 or more) or 'off', got {text!r}")
+    return value
+
+
 def add_window_arguments(parser: argparse.ArgumentParser) -> None:
     """--windows and its window: attention layers kept over the last tokens and the first few only."""
-    from nbl_gguf.calibration.windows import DEFAULT_CTX, DEFAULT_SINKS, DEFAULT_SIZE
+    from nbl_gguf.calibration.windows import DEFAULT_CTX, DEFAULT_RETRIEVAL_TOLERANCE, DEFAULT_SINKS, DEFAULT_SIZE
 
     parser.add_argument("--windows", type=non_negative_int, default=0, metavar="N",
                         help="make N of the attention layers that are left window layers: each attends to the last "
@@ -207,6 +220,12 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-ctx", type=positive_int, default=None, metavar="N",
                         help=f"tokens per text the window layers are chosen and evaluated at (default: {DEFAULT_CTX}, "
                              f"or the training context if shorter)")
+    parser.add_argument("--window-retrieval", type=retrieval_tolerance, default=DEFAULT_RETRIEVAL_TOLERANCE,
+                        metavar="NATS",
+                        help=f"keep a window layer only while facts hidden far back in the selection text are still "
+                             f"answered: their answer's loss may rise by at most NATS per token over the file "
+                             f"without window layers ('off': choose by the loss on text alone; default: "
+                             f"{DEFAULT_RETRIEVAL_TOLERANCE:g})")
 
 
 def check_selection_text(text: str) -> str:

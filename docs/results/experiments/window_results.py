@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, bundled_selection_windows, write_evaluation_text  # noqa: E402
-from nbl_gguf.calibration.windows import Window, choose_windows, recall_window  # noqa: E402
+from nbl_gguf.calibration.windows import Window, choose_windows, recall_window, retrieval_probes  # noqa: E402
 from nbl_gguf.gguf import nbl_format  # noqa: E402
 from nbl_gguf.measurement import frontier  # noqa: E402
 
@@ -35,8 +35,10 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def ranking(model: Path, out: Path, size: int, sinks: int, ctx: int, threads: int | None, recall: bool = False) -> dict:
-    cached = out / ("choice-recall.json" if recall else "choice.json")
+def ranking(model: Path, out: Path, size: int, sinks: int, ctx: int, threads: int | None, recall: bool = False,
+            tolerance: float | None = None, count: int = 1) -> dict:
+    cached = out / ("choice-recall.json" if recall else
+                    f"choice-retrieval-{tolerance:g}.json" if tolerance is not None else "choice.json")
     if cached.is_file():
         return json.loads(cached.read_text())
     import torch
@@ -52,9 +54,10 @@ def ranking(model: Path, out: Path, size: int, sinks: int, ctx: int, threads: in
     ids, _ = bundled_selection_windows(stream.tokenizer, {kind: 1 for kind in KINDS}, ctx)
     if recall:  # tried for passkey retrieval: no clear gain (docs/results/window.md)
         ids = torch.cat([ids, recall_window(ids)])
-    choice = choose_windows(stream, ids, 1, Window(size, sinks))
-    report = choice.report() | {"seconds": time.monotonic() - started,
-                                "order": sorted(choice.increases, key=lambda i: (choice.increases[i], i))}
+    probes = None if tolerance is None else retrieval_probes(stream.tokenizer, ids, Window(size, sinks))
+    choice = choose_windows(stream, ids, count if probes is not None else 1, Window(size, sinks), probes=probes,
+                            **({} if tolerance is None else {"tolerance": tolerance}))
+    report = choice.report() | {"seconds": time.monotonic() - started, "order": choice.order}
     cached.write_text(json.dumps(report, indent=1))
     log(f"ranking at W={size}, S={sinks}, {ctx} tokens: {report['order']} ({report['seconds']:.0f} s)")
     return report
@@ -72,6 +75,10 @@ def main() -> int:
     parser.add_argument("--select-ctx", type=int, default=4096)
     parser.add_argument("--recall", action="store_true",
                         help="rank with a fourth window whose second half repeats its first (calibration.windows.recall_window)")
+    parser.add_argument("--retrieval-tolerance", type=float, default=None,
+                        help="rank with retrieval probes (calibration.windows.guarded_walk) at this tolerance, "
+                             "walking to the largest --m")
+    parser.add_argument("--skip-sinkless", action="store_true", help="no file without sinks at the largest m")
     parser.add_argument("--compare", nargs="*", default=[], help="LABEL=GGUF files measured beside (NBL files)")
     parser.add_argument("--bench", default="stock", help="labels llama-bench measures (comma-separated; 'all')")
     parser.add_argument("--depths", default="0,4096,16384")
@@ -97,13 +104,15 @@ def main() -> int:
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
     trained = int(reader.fields[f"{arch}.context_length"].contents())
     ctx = min(args.select_ctx, trained)
-    rank = ranking(args.model, out, args.select_size, args.sinks, ctx, args.threads, args.recall)
+    ms = [n_layer // 2 if m == "half" else int(m) for m in args.m.split(",")]
+    rank = ranking(args.model, out, args.select_size, args.sinks, ctx, args.threads, args.recall,
+                   args.retrieval_tolerance, max(ms))
     order = rank["order"]
 
-    ms = [n_layer // 2 if m == "half" else int(m) for m in args.m.split(",")]
     plans = [(m, int(w), args.sinks) for w in args.sizes.split(",") for m in ms]
     plans += [(max(ms), int(w), args.sinks) for w in args.extra_sizes.split(",") if w]
-    plans.append((max(ms), args.select_size, 0))
+    if not args.skip_sinkless:
+        plans.append((max(ms), args.select_size, 0))
     variants = [frontier.Variant("stock", frontier.STOCK, args.model, made_by="the input file")]
     for m, size, sinks in plans:
         layers = tuple(sorted(order[:m]))
