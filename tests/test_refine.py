@@ -308,3 +308,51 @@ def test_convert_refuses_what_a_refinement_cannot_serve():
     with pytest.raises(NblError, match="--refine-form 'whole'"):
         convert.check_refine(convert.options(refine=True, refine_form="whole"), "attn-nbl")
     convert.check_refine(convert.options(refine=True), "attn-nbl")
+
+
+def test_convert_refine_writes_the_refined_maps_and_says_so(tmp_path, monkeypatch, capsys):
+    """convert --refine end to end: it calibrates, refines the chosen layers, and the GGUF's map tensors
+    are the refined maps (not the LMMSE ones), its nbl.calibration records the refinement, the summary
+    says so."""
+    import json
+
+    import gguf
+
+    from nbl_gguf.cli import main
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf import nbl_format
+    from nbl_gguf.gguf.from_artifact import taps_maps as file_taps_maps
+
+    from _convert_helpers import save_tiny_llama
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    out, kept = tmp_path / "refined.gguf", tmp_path / "calibration"
+    model = save_tiny_llama(tmp_path / "model")  # a tokenizer the pinned converter knows
+    assert main(["convert", "--model", str(model), "--nsamples", "8", "--seqlen", "64", "--criterion", "cosine", "--dtype", "fp32", "--m", "2",
+                 "--taps", "2", "--quant", "f32", "--no-eval", "--no-progress", "--refine", "--refine-tokens", "128",
+                 "--refine-seqlen", "16", "--refine-eval-every", "2", "--refine-lr", "0.1",
+                 "--save-calibration", str(kept), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    artifact = load_artifact(kept)
+    layers = artifact.report["refine"]["layers"]
+    assert artifact.refined_for(layers, 2) and "refined" in printed
+    reader = gguf.GGUFReader(out)
+    assert [i for i, t in enumerate(nbl_format.read_layer_types(reader)) if t != nbl_format.ATTENTION] == layers
+    tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
+    refined, lmmse = (file_taps_maps(artifact, layers, 2, flag) for flag in (True, False))
+    moved = 0.0
+    for layer in layers:
+        weight = tensors[nbl_format.NBL_WEIGHT.format(layer=layer)].reshape(refined[layer].weight.shape)
+        np.testing.assert_allclose(weight, refined[layer].weight, rtol=1e-6, atol=1e-7)
+        bias = tensors[nbl_format.NBL_BIAS.format(layer=layer)]
+        np.testing.assert_allclose(bias, refined[layer].bias, rtol=1e-6, atol=1e-7)
+        for name, pattern in nbl_format.TAPS_TENSORS.items():  # the past-token part, in whichever form it has
+            want = getattr(refined[layer], name)
+            assert (want is None) == (pattern.format(layer=layer) not in tensors), name
+            if want is not None:
+                got = tensors[pattern.format(layer=layer)].reshape(want.shape)
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        moved = max(moved, float(np.abs(refined[layer].weight - lmmse[layer].weight).max()))
+    assert moved > 1e-4  # the refinement moved the maps: the file could tell them apart
+    record = json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))
+    assert record["refine"]["layers"] == layers
