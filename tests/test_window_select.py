@@ -197,5 +197,5 @@ def test_the_retrieval_walk_equals_the_whole_model_measured_per_step(stream_and_
     # holding fewer layers' inputs (the walk restarting from an earlier one) changes nothing
     from nbl_gguf.calibration.windows import guarded_walk
 
-    sparse = guarded_walk(stream, probes, by_text, 3, window, {}, lambda layer, _type: window, tolerance, hold_bytes=1)
+    sparse = guarded_walk(stream, probes, by_text, 3, {}, lambda layer, _type: window, tolerance, hold_bytes=1)
     assert (sparse.kept, sparse.losses, sparse.refused) == (guard.kept, guard.losses, guard.refused)

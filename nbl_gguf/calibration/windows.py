@@ -136,7 +136,7 @@ def retrieval_probes(tokenizer, ids: torch.Tensor, window: Window, depths: Seque
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     rows, masks, distances = [], [], []
-    for n, text in enumerate(ids):
+    for text in ids:
         for depth in depths:
             name, key = rng.choice(PROBE_NAMES), rng.randrange(10000, 100000)
             needle = encode(PROBE_NEEDLE.format(name=name, key=key))
@@ -149,7 +149,7 @@ def retrieval_probes(tokenizer, ids: torch.Tensor, window: Window, depths: Seque
                 raise NblError(f"a retrieval probe needs more than {ctx} tokens at a window of {window.size} (a longer "
                                f"--window-ctx, or --window-retrieval off)")
             at = first + int(round(depth * (last - first)))
-            filler = text[1:ctx - len(tail) - len(needle)].tolist()  # text[0]: the tokenizer's BOS, kept
+            filler = text[1:ctx - len(tail) - len(needle)].tolist()  # text[0] stays first (a BOS, if any)
             row = [int(text[0])] + filler[:at - 1] + needle + filler[at - 1:] + tail
             mask = torch.zeros(ctx - 1, dtype=torch.bool)
             mask[ctx - 2 - answer:ctx - 2] = True  # rows predicting tokens ctx-1-answer .. ctx-2
@@ -159,39 +159,37 @@ def retrieval_probes(tokenizer, ids: torch.Tensor, window: Window, depths: Seque
     return RetrievalProbes(torch.stack(rows), torch.stack(masks), tuple(distances))
 
 
-def answer_loss(stream, finals: Sequence[torch.Tensor], probes: RetrievalProbes) -> list[float]:
-    """Mean NLL of the probes' answer tokens for each final hidden state (nats per token)."""
-    stream.load_head()
-    try:
-        out = []
-        for final in finals:
-            values = torch.cat([stream.token_nll(final[i:i + 1], probes.ids[i:i + 1])
-                                for i in range(probes.ids.shape[0])])
-            out.append(float(values[probes.scored].mean()))
-        return out
-    finally:
-        stream.release_head()
-
-
-def second_half_loss(stream, finals: Sequence[torch.Tensor], ids: torch.Tensor) -> list[float]:
-    """Mean next-token NLL over positions ctx/2 .. ctx-2 of windows ``ids`` for each final hidden state."""
-    first = ids.shape[1] // 2
+def scored_loss(stream, finals: Sequence[torch.Tensor], ids: torch.Tensor, scored: torch.Tensor) -> list[float]:
+    """Mean next-token NLL over the positions ``scored`` [n, ctx - 1] (bool: row t predicts token t + 1) of
+    windows ``ids`` [n, ctx], for each final hidden state."""
     stream.load_head()
     try:
         out = []
         for final in finals:
             values = torch.cat([stream.token_nll(final[i:i + 1], ids[i:i + 1]) for i in range(ids.shape[0])])
-            out.append(float(values[:, first:].mean()))
+            out.append(float(values[scored].mean()))
         return out
     finally:
         stream.release_head()
 
 
+def answer_loss(stream, finals: Sequence[torch.Tensor], probes: RetrievalProbes) -> list[float]:
+    """The probes' answer tokens' mean NLL for each final hidden state (nats per token)."""
+    return scored_loss(stream, finals, probes.ids, probes.scored)
+
+
+def second_half_loss(stream, finals: Sequence[torch.Tensor], ids: torch.Tensor) -> list[float]:
+    """Mean next-token NLL over positions ctx/2 .. ctx-2 of windows ``ids`` for each final hidden state."""
+    scored = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
+    scored[:, ids.shape[1] // 2:] = True
+    return scored_loss(stream, finals, ids, scored)
+
+
 HOLD_BYTES = 2 << 30  # the walk's held hidden states, at most (an 8B model's 33 layer inputs would be 6.6 GB)
 
 
-def guarded_walk(stream, probes: RetrievalProbes, order: Sequence[int], count: int, window: Window,
-                 replaced: Mapping[int, int], layer_map: Callable, tolerance: float,
+def guarded_walk(stream, probes: RetrievalProbes, order: Sequence[int], count: int, replaced: Mapping[int, int],
+                 layer_map: Callable, tolerance: float,
                  hold_bytes: int = HOLD_BYTES) -> RetrievalGuard:
     """Take the layers of ``order`` one by one until ``count`` are kept, each kept if the probes' answer loss
     with it and those kept before stays within ``tolerance`` of the loss without window layers.
@@ -279,7 +277,7 @@ def choose_windows(stream, ids: torch.Tensor, count: int, window: Window, *, rep
     by_text = sorted(pool, key=lambda i: (increases[i], i))
     guard = None
     if probes is not None:
-        guard = guarded_walk(stream, probes, by_text, count, window, replaced, layer_map, tolerance)
+        guard = guarded_walk(stream, probes, by_text, count, replaced, layer_map, tolerance)
         fill = sorted(guard.refused, key=lambda i: (guard.refused[i], i))[:count - len(guard.kept)]
         chosen = tuple(sorted(guard.kept + fill))
     else:

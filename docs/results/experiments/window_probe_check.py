@@ -1,0 +1,92 @@
+"""The answer loss (nats per answer token, in PyTorch) of window sets on three kinds of retrieval prompt:
+the walk's probes with other keys and depths, the same with a filler of one sentence repeated, and the
+passkey prompts of measurement.passkey. For each m: no windows, the walk's first m layers (the choice's
+"order"), the first m by cost on text alone.
+
+    python docs/results/experiments/window_probe_check.py --model MODEL.gguf \
+        --choice docs/results/window/NAME/choice-retrieval-0.15.json --m 15 > OUT.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--choice", required=True, type=Path)
+    parser.add_argument("--m", default="15")
+    parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    import torch
+
+    from nbl_gguf import models
+    from nbl_gguf.calibration.apply import ATTN_WINDOW
+    from nbl_gguf.calibration.dataset import KINDS, bundled_selection_windows
+    from nbl_gguf.calibration.stream import LayerStream
+    from nbl_gguf.calibration.variants import run_variants
+    from nbl_gguf.calibration.windows import Window, retrieval_probes
+    from nbl_gguf.measurement import passkey as pk
+    from nbl_gguf.model_source import resolve_model
+
+    torch.set_num_threads(args.threads)
+    stream = LayerStream(resolve_model(args.model), models.resolve_dtype("auto", "cpu"), "cpu")
+    tokenizer = stream.tokenizer
+    choice = json.loads(args.choice.read_text())
+    increases = {int(k): v for k, v in choice["increases"].items()}
+    by_text = sorted(increases, key=lambda i: (increases[i], i))
+    window = Window(choice["size"], choice["sinks"])
+    names, variants = ["no windows"], [{}]
+    for m in (int(x) for x in args.m.split(",")):
+        names += [f"walk m={m}", f"text m={m}"]
+        variants += [{i: ATTN_WINDOW for i in choice["order"][:m]}, {i: ATTN_WINDOW for i in by_text[:m]}]
+
+    ids, _ = bundled_selection_windows(tokenizer, {kind: 1 for kind in KINDS}, args.ctx)
+    repeated = ids.clone()
+    for row in range(ids.shape[0]):  # one sentence-sized piece of each text, repeated
+        unit = ids[row, 1:25]
+        repeated[row, 1:] = unit.repeat(args.ctx // len(unit) + 1)[:args.ctx - 1]
+    sets = {"probes, other keys": retrieval_probes(tokenizer, ids, window, depths=(0.25, 0.5, 0.75), seed=1),
+            "probes, repeated filler": retrieval_probes(tokenizer, repeated, window, depths=(0.25, 0.5, 0.75), seed=1)}
+
+    # the passkey prompts, as measurement.passkey builds them (its seed 0 keys), the answer " KEY" scored
+    rng = random.Random(0)
+    rows, masks = [], []
+    for depth in pk.DEPTHS:
+        key = rng.randrange(10000, 100000)
+        prompt = pk.build_prompt(lambda text: len(tokenizer(text)["input_ids"]), args.ctx, depth, key)
+        asked, answered = tokenizer(prompt)["input_ids"], tokenizer(prompt + f" {key}.")["input_ids"][:-1]
+        rows.append(answered)
+        masks.append(len(answered) - len(asked))
+    length = max(map(len, rows))
+    passkey_ids = torch.tensor([r + [r[-1]] * (length - len(r)) for r in rows])
+    scored = torch.zeros(len(rows), length - 1, dtype=torch.bool)
+    for i, (r, n) in enumerate(zip(rows, masks)):
+        scored[i, len(r) - 1 - n:len(r) - 1] = True
+
+    for label, (batch, mask) in [(k, (p.ids, p.scored)) for k, p in sets.items()] + [("passkey prompts", (passkey_ids, scored))]:
+        finals = run_variants(stream, batch, variants, lambda k, t: window)
+        stream.load_head()
+        print(f"## {label}")
+        for name, final in zip(names, finals):
+            nll = torch.cat([stream.token_nll(final[i:i + 1], batch[i:i + 1]) for i in range(batch.shape[0])])
+            # per prompt: the mean, and the larger of the first two answer tokens (where a greedy answer turns)
+            per = [(round(float(nll[i][mask[i]].mean()), 2), round(float(nll[i][mask[i]][:2].max()), 2))
+                   for i in range(batch.shape[0])]
+            print(f"{name}: {float(nll[mask].mean()):.3f} per prompt (mean, first two at most) {per}", flush=True)
+        stream.release_head()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
