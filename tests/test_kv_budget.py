@@ -83,6 +83,19 @@ def test_window_candidates_are_the_shortest_fitting_prefix_of_their_order():
         assert "window layers (W = 512)" in candidate.label
 
 
+def test_the_window_walk_goes_as_far_as_the_budget_needs():
+    """kv_budget.windows_needed: for layers with alike caches, the most window layers any cache type's
+    candidate takes (the retrieval walk stops there, not at every layer)."""
+    model = KvModel(layers=tuple(KvLayer(64, 64) for _ in range(6)))
+    n_ctx, window = 32768, (512, 4)
+    for budget in (10 * 2 ** 20, 30 * 2 ** 20, 60 * 2 ** 20):
+        found = kv_budget.candidates(model, n_ctx, budget, [], list(range(6)), window)
+        most = max((len(c.windows) for c in found if c.windows), default=1)
+        assert kv_budget.windows_needed(model, n_ctx, budget, window) == most
+    # a budget no count of window layers meets: walk them all
+    assert kv_budget.windows_needed(model, n_ctx, 1, window) == 6
+
+
 def test_an_unreachable_budget_names_the_smallest_reachable():
     model = _model()
     smallest = kv_budget.smallest_reachable(model, 8192, 4)

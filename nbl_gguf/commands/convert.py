@@ -529,17 +529,17 @@ def source_architecture(source) -> str:
     return models.get_adapter(_json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))).gguf_arch
 
 
-def budget_window_order(args, source, n_layer: int, ctx: int) -> list[int] | None:
+def budget_window_order(args, source, n_layer: int, ctx: int, needed: int | None = None) -> list[int] | None:
     """The layers in the order they are best made window layers (calibration.windows.WindowChoice.order: each
-    measured alone on the stock model, and walked with the retrieval probes unless --window-retrieval off),
-    when the file can carry window layers; else None."""
+    measured alone on the stock model, and walked with the retrieval probes unless --window-retrieval off, as
+    far as ``needed`` kept layers), when the file can carry window layers; else None."""
     from nbl_gguf.gguf import nbl_format
 
     if args.runtime != "nbl" or source_architecture(source) not in nbl_format.WINDOW_ARCHITECTURES \
             or ctx <= 2 * args.window_size:
         return None
     stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
-    choice = window_layers(args, source, stock, ctx, count=1 if args.window_retrieval is None else n_layer)
+    choice = window_layers(args, source, stock, ctx, count=1 if args.window_retrieval is None else needed or n_layer)
     return choice.order
 
 
@@ -602,8 +602,9 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     for m in range(1, budget.most_layers + 1):
         layers = chosen_layers(artifact, layer_choice(args, m), method, n_layer, taps)
         order += sorted(set(layers) - set(order))
-    window_order = budget_window_order(args, source, n_layer, budget.eval_ctx)
     window = (args.window_size, args.window_sinks)
+    window_order = budget_window_order(args, source, n_layer, budget.eval_ctx,
+                                       kv_budget.windows_needed(budget.model, budget.n_ctx, budget.bytes, window))
     found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order, window_order, window)
     if not found:
         deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order)

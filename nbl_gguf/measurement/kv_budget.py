@@ -140,6 +140,21 @@ def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int], window
     return out
 
 
+def windows_needed(model: KvModel, n_ctx: int, budget: int, window: tuple[int, int]) -> int:
+    """How many window layers the cache types that need them take to fit, at most (layers in file order:
+    the count, not which, is what the budget asks where the layers' caches are alike); every layer where
+    none fits."""
+    n_layer = len(model.layers)
+    needed = 1
+    for kv_type in KV_TYPES:
+        if kv_bytes(model, n_ctx, kv_type) <= budget:
+            continue
+        fits = [k for k in range(1, n_layer + 1)
+                if kv_bytes(model, n_ctx, kv_type, windows=list(range(k)), window=window) <= budget]
+        needed = max(needed, fits[0] if fits else n_layer)
+    return needed
+
+
 def format_mib(n: int) -> str:
     return f"{n / 2 ** 20:,.2f} MiB"
 
