@@ -21,8 +21,6 @@ def run_variants(stream: LayerStream, ids: torch.Tensor, variants: list[dict[int
     layer k, kept from the calibration (then no layer before the first replacement is run); None: the
     unmodified track is computed here from the embedding. ``linear(k, layer_type)``: (W, b) of layer k's
     map of that type (attention or whole block), or its calibration.taps.TapsMap (ATTN_TAPS)."""
-    from nbl_gguf.calibration.apply import ATTN_DROP, replace_layer
-
     shape = (ids.shape[0], ids.shape[1], stream.hidden_size)
     keys = [frozenset(variant.items()) for variant in variants]
     empty = frozenset()
@@ -48,23 +46,31 @@ def run_variants(stream: LayerStream, ids: torch.Tensor, variants: list[dict[int
             for key in sorted(outputs, key=lambda key: sorted(key)):
                 source = frozenset(item for item in key if item[0] != k)
                 hidden = tracks[source] if source in tracks else base_input(k)
-                layer_type = dict(key).get(k)
-                restore = None
-                if layer_type is not None:
-                    restore = replace_layer(stream.model, k, layer_type,
-                                            None if layer_type == ATTN_DROP else {k: linear(k, layer_type)})
-                try:
-                    out = torch.empty(shape, dtype=stream.dtype, device=stream.device)
-                    for start, stop in batches(shape[0], batch_size):
-                        out[start:stop] = stream.run_layer(k, hidden[start:stop])
-                finally:
-                    if restore is not None:
-                        restore()
-                new_tracks[key] = out
+                new_tracks[key] = layer_output(stream, k, hidden, dict(key).get(k), linear, batch_size)
             tracks = new_tracks
         finally:
             stream.release_layer(k)
     return [tracks[key] if key in tracks else base_input(stream.num_layers) for key in keys]
+
+
+def layer_output(stream: LayerStream, k: int, hidden: torch.Tensor, layer_type: int | None = None, linear=None,
+                 batch_size: int = 1) -> torch.Tensor:
+    """Loaded layer ``k``'s output for ``hidden`` [windows, seqlen, d], ``batch_size`` windows at a time; with
+    ``layer_type``, the layer replaced by that type for the call (its map from ``linear(k, layer_type)``)."""
+    from nbl_gguf.calibration.apply import ATTN_DROP, replace_layer
+
+    restore = None
+    if layer_type is not None:
+        restore = replace_layer(stream.model, k, layer_type,
+                                None if layer_type == ATTN_DROP else {k: linear(k, layer_type)})
+    try:
+        out = torch.empty(hidden.shape[:2] + (stream.hidden_size,), dtype=stream.dtype, device=stream.device)
+        for start, stop in batches(hidden.shape[0], batch_size):
+            out[start:stop] = stream.run_layer(k, hidden[start:stop])
+        return out
+    finally:
+        if restore is not None:
+            restore()
 
 
 class StreamedEvaluator:

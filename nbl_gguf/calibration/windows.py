@@ -197,7 +197,7 @@ def guarded_walk(stream, probes: RetrievalProbes, order: Sequence[int], count: i
     The kept set's hidden states are held at every ``stride``-th layer's input (as many as ``hold_bytes``
     allows), so a candidate runs from the held input at or before its own layer on: the layers before
     it see the set unchanged."""
-    from nbl_gguf.calibration.apply import replace_layer
+    from nbl_gguf.calibration.variants import layer_output
 
     n_layer = stream.num_layers
     per_layer = probes.ids.numel() * stream.hidden_size * torch.finfo(stream.dtype).bits // 8
@@ -209,12 +209,9 @@ def guarded_walk(stream, probes: RetrievalProbes, order: Sequence[int], count: i
         hidden = track[start]
         for k in range(start, n_layer):
             stream.load_layer(k)
-            restore = replace_layer(stream.model, k, variant[k], {k: layer_map(k, variant[k])}) if k in variant else None
             try:
-                hidden = torch.cat([stream.run_layer(k, hidden[i:i + 1]) for i in range(hidden.shape[0])])
+                hidden = layer_output(stream, k, hidden, variant.get(k), layer_map)
             finally:
-                if restore is not None:
-                    restore()
                 stream.release_layer(k)
             if (k + 1) % stride == 0 or k + 1 == n_layer:
                 held[k + 1] = hidden

@@ -149,9 +149,9 @@ def windows_needed(model: KvModel, n_ctx: int, budget: int, window: tuple[int, i
     for kv_type in KV_TYPES:
         if kv_bytes(model, n_ctx, kv_type) <= budget:
             continue
-        fits = [k for k in range(1, n_layer + 1)
-                if kv_bytes(model, n_ctx, kv_type, windows=list(range(k)), window=window) <= budget]
-        needed = max(needed, fits[0] if fits else n_layer)
+        fits = next((k for k in range(1, n_layer + 1)
+                     if kv_bytes(model, n_ctx, kv_type, windows=list(range(k)), window=window) <= budget), n_layer)
+        needed = max(needed, fits)
     return needed
 
 
