@@ -83,6 +83,39 @@ def test_window_candidates_are_the_shortest_fitting_prefix_of_their_order():
         assert "window layers (W = 512)" in candidate.label
 
 
+def test_candidates_holding_refused_window_layers_rank_last(monkeypatch):
+    """Where the retrieval walk kept only the first ``window_kept`` (here 1) of the window order, a candidate with more
+    window layers holds refused ones (named in its label) and ranks after every candidate that holds none,
+    even with a lower perplexity: perplexity cannot see recall beyond the window."""
+    from nbl_gguf.llamacpp import perplexity as llama_perplexity
+
+    model = KvModel(layers=tuple(KvLayer(w, w) for w in (256, 64, 256, 64, 128)))
+    n_ctx, order, window_order = 32768, [3, 1, 4, 0], [2, 0, 4, 1, 3]
+    budget = 40 * 10 ** 6
+    found = kv_budget.candidates(model, n_ctx, budget, order, window_order, (512, 4), window_kept=1)
+    windowed = [c for c in found if c.windows]
+    assert any(len(c.windows) > 1 for c in windowed) and any(len(c.windows) == 1 for c in windowed)
+    for candidate in windowed:
+        assert candidate.refused == tuple(sorted(window_order[1:len(candidate.windows)]))
+        assert ("refused by the retrieval walk" in candidate.label) == bool(candidate.refused)
+    assert all(not c.refused for c in kv_budget.candidates(model, n_ctx, budget, order, window_order, (512, 4)))
+
+    # perplexity: the fewer layers touched the better, except the refused candidates, which measure best
+    def fake(path, text, **_):
+        candidate = files_by_path[path]
+        return type("P", (), {"ppl": 10.0 + (0 if candidate is None else (-5 if candidate.refused else
+                                                                          len(candidate.layers + candidate.windows)))})()
+
+    monkeypatch.setattr(llama_perplexity, "perplexity", fake)
+    files_by_path = {"stock": None} | {f"c{i}": c for i, c in enumerate(found)}
+    files = {c: f"c{i}" for i, c in enumerate(found)}
+    _, measured = kv_budget.measure("stock", files, {"c4": "t"}, 4096, 1, 1, log=lambda *_: None)
+    ranks = [bool(r.candidate.refused) for r in measured]
+    assert ranks == sorted(ranks) and ranks[-1] and not ranks[0]
+    kept = [r.change_pct for r in measured if not r.candidate.refused]
+    assert kept == sorted(kept)
+
+
 def test_the_window_walk_goes_as_far_as_the_budget_needs():
     """kv_budget.windows_needed: for layers with alike caches, the most window layers any cache type's
     candidate takes (the retrieval walk stops there, not at every layer)."""

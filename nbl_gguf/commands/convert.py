@@ -529,18 +529,19 @@ def source_architecture(source) -> str:
     return models.get_adapter(_json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))).gguf_arch
 
 
-def budget_window_order(args, source, n_layer: int, ctx: int, needed: int | None = None) -> list[int] | None:
-    """The layers in the order they are best made window layers (calibration.windows.WindowChoice.order: each
-    measured alone on the stock model, and walked with the retrieval probes unless --window-retrieval off, as
-    far as ``needed`` kept layers), when the file can carry window layers; else None."""
+def budget_window_order(args, source, n_layer: int, ctx: int, needed: int | None = None):
+    """(the layers in the order they are best made window layers, how many of them the retrieval walk kept)
+    (calibration.windows.WindowChoice.order: each measured alone on the stock model, and walked with the
+    retrieval probes unless --window-retrieval off, as far as ``needed`` kept layers; the count is None
+    without the walk), when the file can carry window layers; else (None, None)."""
     from nbl_gguf.gguf import nbl_format
 
     if args.runtime != "nbl" or source_architecture(source) not in nbl_format.WINDOW_ARCHITECTURES \
             or ctx <= 2 * args.window_size:
-        return None
+        return None, None
     stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
     choice = window_layers(args, source, stock, ctx, count=1 if args.window_retrieval is None else needed or n_layer)
-    return choice.order
+    return choice.order, (len(choice.retrieval.kept) if choice.retrieval is not None else None)
 
 
 # --- --kv-budget ---------------------------------------------------------------------------------------
@@ -603,9 +604,9 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
         layers = chosen_layers(artifact, layer_choice(args, m), method, n_layer, taps)
         order += sorted(set(layers) - set(order))
     window = (args.window_size, args.window_sinks)
-    window_order = budget_window_order(args, source, n_layer, budget.eval_ctx,
-                                       kv_budget.windows_needed(budget.model, budget.n_ctx, budget.bytes, window))
-    found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order, window_order, window)
+    window_order, window_kept = budget_window_order(
+        args, source, n_layer, budget.eval_ctx, kv_budget.windows_needed(budget.model, budget.n_ctx, budget.bytes, window))
+    found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order, window_order, window, window_kept)
     if not found:
         deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order)
         raise NblError(f"--kv-budget {args.kv_budget} at {budget.n_ctx:,} tokens: the layers the calibration chose "
@@ -629,6 +630,7 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
               "stock_ppl": base,
               "candidates": [{"label": r.candidate.label, "kv_type": r.candidate.kv_type, "m": r.candidate.m,
                               "layers": list(r.candidate.layers), "windows": list(r.candidate.windows),
+                              "refused_windows": list(r.candidate.refused),
                               "kv_bytes": r.candidate.kv_bytes,
                               "perplexity": r.perplexity, "change_pct": r.change_pct} for r in measured]}
     return measured[0].candidate, report

@@ -135,6 +135,9 @@ class Summary:
         for index, c in enumerate(b["candidates"]):
             lines.append(f"    {c['label']:<{width}}  KV {human_bytes(c['kv_bytes']):>11}  {c['change_pct']:+7.2f}%"
                          + ("  <- chosen" if index == 0 else ""))
+        if any(c.get("refused_windows") for c in b["candidates"]):
+            lines.append("    (a candidate with window layers the retrieval walk refused ranks after those without: "
+                         "perplexity cannot see recall beyond the window)")
         return lines
 
 

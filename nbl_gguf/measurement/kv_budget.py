@@ -12,7 +12,10 @@ a rule.
 Where the file can carry window layers (llama, qwen2), each cache type also gets the fewest window layers
 of their measured order (calibration.windows) that fit: a window layer keeps its attention over the last
 W tokens and the first few, and its cache stops at the window (so it saves less than a replaced layer
-at short contexts, nearly as much at long ones).
+at short contexts, nearly as much at long ones). Where the window order came from the retrieval walk
+(``--window-retrieval``), a candidate that needs more window layers than the walk kept holds layers it
+refused: perplexity cannot see what they cost (recall of a fact beyond the window), so such a candidate
+ranks after every one that holds none, whatever its perplexity.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Candidate:
     kv_bytes: int
     windows: tuple[int, ...] = ()  # window layers, a prefix of their measured order
     window: tuple[int, int] | None = None  # (W, sinks) of the window layers
+    refused: tuple[int, ...] = ()  # window layers the retrieval walk refused (they lose recall beyond W)
 
     @property
     def m(self) -> int:
@@ -61,7 +65,8 @@ class Candidate:
             what = f"{len(self.windows)} window layers (W = {self.window[0]})"
         else:
             what = "stock" if self.is_stock else f"NBL m = {self.m}"
-        return f"{what}, KV {self.kv_type}"
+        refused = f" (refused by the retrieval walk: {', '.join(map(str, self.refused))})" if self.refused else ""
+        return f"{what}, KV {self.kv_type}{refused}"
 
 
 def kv_bytes(model: KvModel, n_ctx: int, kv_type: str, replaced=(), windows=(), window=None) -> int:
@@ -120,10 +125,11 @@ def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int) -> int:
 
 
 def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int], window_order: list[int] | None = None,
-               window: tuple[int, int] | None = None) -> list[Candidate]:
+               window: tuple[int, int] | None = None, window_kept: int | None = None) -> list[Candidate]:
     """Per cache type, the shortest prefix of ``order`` whose cache fits the budget (none where no prefix does);
     with ``window_order``, also the shortest prefix of it made window layers of ``window`` = (W, sinks)
-    that fits (from one window layer: no window layer is the stock candidate already)."""
+    that fits (from one window layer: no window layer is the stock candidate already). ``window_kept``: how
+    many of ``window_order`` the retrieval walk kept (the rest it refused), None where there was no walk."""
     out = []
     for kv_type in KV_TYPES:
         for m in range(len(order) + 1):
@@ -135,7 +141,8 @@ def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int], window
             for k in range(1, len(window_order) + 1):
                 size = kv_bytes(model, n_ctx, kv_type, windows=window_order[:k], window=window)
                 if size <= budget:
-                    out.append(Candidate(kv_type, (), size, tuple(sorted(window_order[:k])), window))
+                    refused = () if window_kept is None else tuple(sorted(window_order[window_kept:k]))
+                    out.append(Candidate(kv_type, (), size, tuple(sorted(window_order[:k])), window, refused))
                     break
     return out
 
@@ -167,7 +174,8 @@ class Measured:
 
 
 def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int, chunks: int, threads, log=print):
-    """(the stock F16 perplexities, a Measured per candidate, best first)."""
+    """(the stock F16 perplexities, a Measured per candidate, best first: those that hold no window layer the
+    retrieval walk refused before those that do, each group by perplexity)."""
     from nbl_gguf.llamacpp.perplexity import perplexity
 
     def run(path, kv_type):
@@ -181,5 +189,5 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
         change = sum(100 * (ppl[k] / base[k] - 1) for k in base) / len(base)
         log(f"kv budget: {candidate.label}: {format_mib(candidate.kv_bytes)}, held-out perplexity at {n_ctx} {change:+.2f}%")
         measured.append(Measured(candidate, ppl, change))
-    measured.sort(key=lambda r: (r.change_pct, r.candidate.kv_bytes))
+    measured.sort(key=lambda r: (bool(r.candidate.refused), r.change_pct, r.candidate.kv_bytes))
     return base, measured
