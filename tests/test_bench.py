@@ -92,6 +92,32 @@ def test_roofline_dropped_layers_and_tied_output(tiny, tmp_path):
     assert ratios == sorted(ratios) and ratios[0] > 1
 
 
+def test_roofline_window_layers_read_their_window_and_sinks_only(tiny, tmp_path):
+    """Window layers 0 and 2 (W = 24, S = 4): their K/V term stops at 28 cells, layer 1's grows with the
+    context; the weights are the stock file's."""
+    from nbl_gguf.gguf import nbl_format
+
+    path = tmp_path / "windows.gguf"
+    nbl_format.write_nbl_gguf(tiny["stock"], path, nbl_format.NblLayers(
+        types=[A, A, A], windows=nbl_format.Windows((0, 2), 24, 4), method="window"))
+    stock, windowed = roofline.model_cost(tiny["stock"]), roofline.model_cost(path)
+    assert windowed.is_nbl and windowed.window_cells == 28 and windowed.attention_layers == 3
+    assert windowed.weight_bytes_per_token() == pytest.approx(stock.weight_bytes_per_token(), rel=1e-3)
+    per_layer_kv, per_layer_attn = N_KV * 2 * HD, N_HEAD * 2 * HD
+    weights = windowed.weight_bytes_per_token()
+    for ctx in (10, 28, 1000):
+        cells = ctx + 2 * min(ctx, 28)  # layer 1 reads the context, layers 0 and 2 their 28 cells at most
+        assert windowed.tg_bytes(ctx) == pytest.approx(weights + per_layer_kv * cells * 2)
+        assert windowed.tg_bytes(ctx, "q8_0") == pytest.approx(weights + per_layer_kv * cells * 34 / 32)
+        assert windowed.pp_flops(ctx, 16) == pytest.approx(
+            2 * windowed.block_matmul_params + 2 * windowed.output_params / 16 + 2 * per_layer_attn * cells)
+    # at a short context a window changes nothing; at depth it saves two layers' K/V reads of three
+    assert roofline.predicted_speedup(stock, windowed, "tg", 0, 1) == pytest.approx(1.0, rel=1e-3)
+    deep = roofline.predicted_speedup(stock, windowed, "tg", 10 ** 6, 1)
+    assert deep == pytest.approx(stock.tg_bytes(10 ** 6) / (weights + per_layer_kv * 2 * (10 ** 6 + 56)))
+    roofline.check_pair(stock, windowed)  # a window file is a candidate against its stock file
+
+
 # --- llama-bench -------------------------------------------------------------------------------
 
 @pytest.mark.llama

@@ -8,11 +8,15 @@ every earlier token in every attention layer::
                   + kv_bytes_per_token * context,
     kv_bytes_per_token = sum over attention layers of n_head_kv * (k_len + v_len) * kv_type_bytes.
 
+A window layer (nbl.window_sinks with the sliding-window pattern) reads at most W + S cells, its window and
+its sinks, whatever the context: its share of the KV term is ``min(context, W + S)`` cells, not ``context``.
+
 Prompt processing is compute-bound: per prompt token::
 
     FLOPs/token = 2 * (matmul weight parameters of the blocks)
                   + 2 * (output head parameters) / n_prompt   (llama.cpp computes logits of the last token only)
-                  + sum over attention layers of 2 * n_head * (k_len + v_len) * context   (QK^T and PV).
+                  + sum over attention layers of 2 * n_head * (k_len + v_len) * context   (QK^T and PV)
+                  (a window layer's context again capped at W + S).
 
 An NBL layer drops its Q/K/V/O projections and its K/V cache and adds one d x d matmul, so the
 predicted speed-up of a cell is ``cost(stock) / cost(NBL)``. Non-matmul work (norms, RoPE, softmax,
@@ -61,6 +65,9 @@ class ModelCost:
     block_matmul_params: int  # 2-D weights inside the blocks (attn_*, ffn_*, attn_nbl)
     kv_elements_per_token: int  # sum over attention layers of n_head_kv * (k_len + v_len)
     attn_width: int  # sum over attention layers of n_head * (k_len + v_len)
+    window_cells: int = 0  # W + S of the window layers (0: none)
+    window_kv_elements_per_token: int = 0  # the window layers' share of kv_elements_per_token
+    window_attn_width: int = 0  # the window layers' share of attn_width
     shape_key: tuple = field(default=(), compare=False)  # what must match between stock and NBL
 
     @property
@@ -73,10 +80,15 @@ class ModelCost:
 
     @property
     def is_nbl(self) -> bool:
-        return any(t != 0 for t in self.layer_types)
+        """Changed by nbl-gguf: layers replaced or made window layers."""
+        return any(t != 0 for t in self.layer_types) or self.window_cells > 0
 
     def kv_bytes_per_token(self, kv_type: str = "f16") -> float:
         return self.kv_elements_per_token * kv_type_bytes(kv_type)
+
+    def _attended(self, per_cell: int, window_per_cell: int, context: float) -> float:
+        """Cells read at ``context`` weighted per layer: a window layer's capped at W + S."""
+        return (per_cell - window_per_cell) * context + window_per_cell * min(context, self.window_cells)
 
     def weight_bytes_per_token(self) -> float:
         """Weight bytes read to generate one token."""
@@ -85,18 +97,19 @@ class ModelCost:
 
     def tg_bytes(self, context: float, kv_type: str = "f16") -> float:
         """Bytes read per generated token with ``context`` tokens in the KV cache."""
-        return self.weight_bytes_per_token() + self.kv_bytes_per_token(kv_type) * context
+        kv = self._attended(self.kv_elements_per_token, self.window_kv_elements_per_token, context)
+        return self.weight_bytes_per_token() + kv * kv_type_bytes(kv_type)
 
     def pp_flops(self, context: float, n_prompt: int | None = None) -> float:
         """FLOPs per prompt token whose attention spans ``context`` tokens; the output head is
         spread over ``n_prompt`` tokens (None: counted in full, as for one generated token)."""
         head = 2 * self.output_params / (n_prompt if n_prompt else 1)
-        return 2 * self.block_matmul_params + head + 2 * self.attn_width * context
+        return 2 * self.block_matmul_params + head + 2 * self._attended(self.attn_width, self.window_attn_width, context)
 
 
 def model_cost(path: str | os.PathLike) -> ModelCost:
     """Read the roofline numbers of a GGUF (stock or NBL) with gguf-py."""
-    from nbl_gguf.gguf.nbl_format import read_layer_types
+    from nbl_gguf.gguf.nbl_format import read_layer_types, read_windows
     from nbl_gguf.gguf.metadata import head_counts, open_model_gguf, read_field
 
     path = Path(path)
@@ -129,7 +142,9 @@ def model_cost(path: str | os.PathLike) -> ModelCost:
     if not has_output:
         output_params = embd_params
 
-    kv_elements = attn_width = 0
+    windows = read_windows(reader)
+    window_layers = set(windows.layers) if windows is not None else set()
+    kv_elements = attn_width = window_kv = window_width = 0
     for layer in range(n_layer):
         if types[layer] != 0:
             continue
@@ -138,6 +153,9 @@ def model_cost(path: str | os.PathLike) -> ModelCost:
         v_len = int(read_field(reader, f"{arch}.attention.value_length", head_dim))
         kv_elements += n_head_kv[layer] * (k_len + v_len)
         attn_width += n_head[layer] * (k_len + v_len)
+        if layer in window_layers:
+            window_kv += n_head_kv[layer] * (k_len + v_len)
+            window_width += n_head[layer] * (k_len + v_len)
 
     file_type = read_field(reader, "general.file_type")
     shape_key = (arch, n_layer, n_embd, n_vocab, n_ff, tuple(n_head), tuple(n_head_kv), not has_output)
@@ -146,7 +164,8 @@ def model_cost(path: str | os.PathLike) -> ModelCost:
         file_type=None if file_type is None else int(file_type), layer_types=tuple(int(t) for t in types),
         total_bytes=total, token_embd_bytes=embd_bytes, tied_output=not has_output, output_params=output_params,
         block_matmul_params=block_params, kv_elements_per_token=kv_elements, attn_width=attn_width,
-        shape_key=shape_key,
+        window_cells=(windows.size + windows.sinks) if windows is not None else 0,
+        window_kv_elements_per_token=window_kv, window_attn_width=window_width, shape_key=shape_key,
     )
 
 
@@ -172,8 +191,8 @@ def check_pair(stock: ModelCost, nbl: ModelCost) -> None:
         raise NblError(f"--baseline {stock.path} is an NBL GGUF ({stock.n_layer - stock.attention_layers} layers "
                        f"replaced): the baseline must be the stock model")
     if not nbl.is_nbl:
-        raise NblError(f"--nbl {nbl.path} is a stock GGUF (no {nbl.architecture}.nbl.layer_types): "
-                       f"pass an NBL GGUF of the same model")
+        raise NblError(f"--nbl {nbl.path} is a stock GGUF (no {nbl.architecture}.nbl.layer_types nor window "
+                       f"layers): pass an NBL GGUF of the same model")
     names = ("architecture", "block count", "embedding length", "vocabulary", "feed-forward length",
              "head counts", "KV head counts", "tied output")
     for name, a, b in zip(names, stock.shape_key, nbl.shape_key):
