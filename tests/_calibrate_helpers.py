@@ -62,3 +62,15 @@ def write_checkpoint(root, layers: int, texts: int, words: int):
     tokenizer.save_pretrained(root / "model")
     (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in documents))
     return root
+
+
+def run_calibrate(*argv):
+    """The calibrate command with layers chosen by cosine (the default, best, measures the model on held-out
+    windows: tests/test_calibrate_select.py) on fp32 activations, which the maps are checked against."""
+    import argparse
+
+    from nbl_gguf.commands import calibrate
+
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    return calibrate.run(parser.parse_args(["--criterion", "cosine", "--dtype", "fp32"] + [str(a) for a in argv]))

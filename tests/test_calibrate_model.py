@@ -1,14 +1,12 @@
 """Hooks, apply_nbl and the end-to-end calibrate command on tiny random Llama models."""
 
-import argparse
 import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from _calibrate_helpers import sample_texts, tiny_model, word_tokenizer, write_checkpoint
-from nbl_gguf.commands import calibrate
+from _calibrate_helpers import run_calibrate, sample_texts, tiny_model, word_tokenizer, write_checkpoint
 from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, BLOCK_LINEAR, KEEP, apply_nbl
 from nbl_gguf.calibration.artifact import load_artifact
 from nbl_gguf.calibration.capture import capture_activations
@@ -122,15 +120,6 @@ def test_unsupported_architecture_is_named():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("calib"), layers=3, texts=60, words=40)
-
-
-def run_calibrate(*argv):
-    """The calibrate command; these tests are about the statistics, so layers are chosen by cosine
-    (the default, best, measures the model on held-out windows: tests/test_calibrate_select.py)."""
-    parser = argparse.ArgumentParser()
-    calibrate.add_arguments(parser)
-    # fp32: the maps are checked against numpy's least squares on fp32 activations
-    return calibrate.run(parser.parse_args(["--criterion", "cosine", "--dtype", "fp32"] + [str(a) for a in argv]))
 
 
 def test_calibrate_end_to_end_artifact(tiny_checkpoint):

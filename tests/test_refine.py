@@ -5,14 +5,13 @@ LMMSE ones, and a GGUF takes them only for the layers they were refined for."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import numpy as np
 import pytest
 import torch
 
-from _calibrate_helpers import tiny_model, write_checkpoint
+from _calibrate_helpers import run_calibrate, tiny_model, write_checkpoint
 from nbl_gguf.calibration import refine as refine_module
 from nbl_gguf.calibration.apply import ATTN_LINEAR, ATTN_TAPS, apply_nbl
 from nbl_gguf.calibration.refine import RefineSettings, refine_model, refine_streamed
@@ -216,15 +215,6 @@ def checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("refine"), layers=3, texts=80, words=40)
 
 
-def run_calibrate(*argv):
-    from nbl_gguf.commands import calibrate
-
-    parser = argparse.ArgumentParser()
-    calibrate.add_arguments(parser)
-    return calibrate.run(parser.parse_args(["--criterion", "cosine", "--dtype", "fp32", "--no-progress"]
-                                           + [str(a) for a in argv]))
-
-
 def test_calibrate_refine_keeps_both_maps_and_a_gguf_takes_the_refined_ones_for_their_layers(checkpoint, capsys,
                                                                                               monkeypatch):
     from nbl_gguf.calibration.artifact import load_artifact
@@ -232,7 +222,8 @@ def test_calibrate_refine_keeps_both_maps_and_a_gguf_takes_the_refined_ones_for_
 
     monkeypatch.setenv("NBL_GGUF_CACHE", str(checkpoint / "cache"))
     out = checkpoint / "artifact"
-    common = ["--model", checkpoint / "model", "--dataset", checkpoint / "data.jsonl", "--nsamples", 8, "--seqlen", 32]
+    common = ["--model", checkpoint / "model", "--dataset", checkpoint / "data.jsonl", "--no-progress", "--nsamples", 8,
+              "--seqlen", 32]
     assert run_calibrate(*common, "--m", 2, "--taps", 2, "-o", out, "--refine", "--refine-tokens", 128,
                          "--refine-seqlen", 16, "--refine-eval-every", 2, "--refine-lr", 0.1) == 0
     printed = capsys.readouterr()
@@ -289,8 +280,8 @@ def test_a_refinement_that_would_not_fit_is_refused_before_anything_loads(checkp
 
 
 def test_refine_options_are_checked_before_calibrating(checkpoint):
-    common = ["--model", checkpoint / "model", "--dataset", checkpoint / "data.jsonl", "--nsamples", 8, "--seqlen", 32,
-              "-o", checkpoint / "never"]
+    common = ["--model", checkpoint / "model", "--dataset", checkpoint / "data.jsonl", "--no-progress", "--nsamples", 8,
+              "--seqlen", 32, "-o", checkpoint / "never"]
     with pytest.raises(NblError, match="--refine tunes the maps of attn-nbl layers; --method is attn-drop"):
         run_calibrate(*common, "--refine", "--method", "attn-drop")
     with pytest.raises(NblError, match="--refine-lr must be a positive number, got -1"):
