@@ -376,6 +376,11 @@ def test_cli_errors(tiny_gguf, tmp_path, capsys):
     assert "not a multiple of 6" in fails(str(tiny_gguf), "--hellaswag", str(bad))
     assert "does not exist" in fails(str(tiny_gguf), "--winogrande", str(tmp_path / "nope.csv"))
     assert "pass no GGUF files" in fails(str(tiny_gguf), "--sweep")
+    assert "--cache-type q3_k: unknown KV cache type" in fails(str(tiny_gguf), "--cache-type", "q3_k")
+    assert "--passkey-depths means nothing without --passkey" in fails(str(tiny_gguf), "--passkey-depths", "0.5")
+    assert "1.5 is outside 0 (start) to 1 (end)" in fails(str(tiny_gguf), "--passkey", "512", "--passkey-depths", "0.5,1.5")
+    assert "--passkey 32: a prompt of 32 tokens leaves no room" in fails(str(tiny_gguf), "--passkey", "32")
+    assert "--cache-type and --passkey measure the GGUF files given" in fails("--sweep", "--passkey", "512")
 
 
 @needs_perplexity

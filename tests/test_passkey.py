@@ -50,3 +50,41 @@ def test_the_embedded_model_finds_the_key_and_a_narrow_window_loses_it(tmp_path)
     lost = pk.passkey(narrow, lengths=(1024,), depths=(0.2, 0.6), threads=2)
     assert lost.accuracy(1024) == 0.0, lost.report()
     assert [t.prompt_tokens for t in lost.trials] == [t.prompt_tokens for t in result.trials]
+
+
+@pytest.mark.llama
+def test_eval_passkey_reports_each_file_with_its_cache_type(tmp_path, capsys, monkeypatch):
+    """`eval --passkey --cache-type`: the same trials as the library call (same keys, same answers) for the
+    stock file and for a narrow-window one, the cache type passed to both, and the table's found / asked."""
+    import json
+
+    from nbl_gguf.cli import main
+    from nbl_gguf.gguf import nbl_format
+    from nbl_gguf.llamacpp import tools as llamacpp
+    from nbl_gguf.models import embedded_gguf_path
+
+    if not (llamacpp.bin_dir() / "libllama.so").is_file():
+        pytest.skip("needs the patched llama.cpp build (scripts/build_llama.sh)")
+    stock = embedded_gguf_path()
+    narrow = nbl_format.write_nbl_gguf(stock, tmp_path / "narrow.gguf", nbl_format.NblLayers(
+        types=[nbl_format.ATTENTION] * 30, windows=nbl_format.Windows(tuple(range(30)), size=32, sinks=0)))
+    kv_types = []
+    library_call = pk.passkey
+
+    def spy(*args, **kwargs):
+        kv_types.append(kwargs.get("kv_type"))
+        return library_call(*args, **kwargs)
+
+    monkeypatch.setattr(pk, "passkey", spy)
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(stock), str(narrow), "--no-ppl", "--passkey", "1024", "--passkey-depths", "0.2,0.6",
+                 "--cache-type", "q8_0", "-t", "2", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert kv_types == ["q8_0", "q8_0"]
+    results = json.loads(out.read_text())
+    for result, model in zip(results, (stock, narrow)):
+        expected = library_call(model, lengths=(1024,), depths=(0.2, 0.6), kv_type="q8_0", threads=2).report()
+        assert result["passkey"] == expected
+    assert results[0]["passkey"]["accuracy"] == {"1024": 1.0} and results[1]["passkey"]["accuracy"] == {"1024": 0.0}
+    assert "| passkey @1024 |" in printed and "| 2/2 |" in printed and "| 0/2 |" in printed
+    assert "KV cache: q8_0" in printed

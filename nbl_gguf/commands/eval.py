@@ -46,6 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--multiple-choice", default=None, metavar="FILE",
                         help="binary multiple-choice file (llama.cpp format: ARC, MMLU, TruthfulQA, ...)")
     parser.add_argument("--multiple-choice-tasks", type=int, default=None, help="tasks (default: all)")
+    parser.add_argument("--cache-type", default="f16", metavar="TYPE",
+                        help="KV cache type (llama.cpp's -ctk/-ctv: f16, q8_0, q4_0, ...) of the perplexity and the "
+                             "passkey test: the one the file is to run with (default: f16)")
+    parser.add_argument("--passkey", type=flags.int_list, default=None, metavar="N[,N]",
+                        help="passkey retrieval at these prompt lengths in tokens (a number hidden in filler text "
+                             "at each --passkey-depths, asked for at the end): what window and replaced layers "
+                             "lose shows here when perplexity barely moves")
+    parser.add_argument("--passkey-depths", default=None, metavar="D[,D]",
+                        help="--passkey: where the number sits, 0 (start) to 1 (end) (default: 0.1,0.3,0.5,0.7,0.9)")
     flags.add_output(parser, "also write the results as JSON to this file; with --sweep: the folder that gets "
                              "quality.md, quality.csv and quality.png (default: the --work folder)")
     flags.add_no_progress(parser)
@@ -97,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
             raise NblError("give -o or --out, not both")
         args.output = args.out_alias
     if args.sweep:
+        if args.cache_type.lower() != "f16" or args.passkey or args.passkey_depths is not None:
+            raise NblError("--cache-type and --passkey measure the GGUF files given; the sweep's files run with an "
+                           "F16 cache and no passkey test")
         if args.models:
             raise NblError("--sweep builds its own GGUFs: pass no GGUF files with it")
         from nbl_gguf.commands.eval_sweep import run_sweep
@@ -115,6 +127,7 @@ def run_files(args: argparse.Namespace) -> int:
     """llama-perplexity and the task files on each GGUF given; the table on stdout, -o: JSON too."""
     from nbl_gguf.calibration.dataset import write_heldout_text
     from nbl_gguf.gguf.metadata import open_model_gguf
+    from nbl_gguf.measurement.passkey import passkey
     from nbl_gguf.measurement.perplexity import evaluate, format_results
     from nbl_gguf.measurement.tasks import check_task_files, check_text
     from nbl_gguf.outputs import check_output_file
@@ -126,8 +139,9 @@ def run_files(args: argparse.Namespace) -> int:
     if args.output:
         check_output_file(args.output, "-o")
     task_files = check_task_files(flags.task_files(args))
-    if args.no_ppl and not task_files:
-        raise NblError("nothing to evaluate: --no-ppl and no task file")
+    cache_type, depths = check_passkey_and_cache(args)
+    if args.no_ppl and not task_files and not args.passkey:
+        raise NblError("nothing to evaluate: --no-ppl and no task file nor --passkey")
     results = []
     with tempfile.TemporaryDirectory(prefix="nbl-eval-") as tmp:
         text_file = None
@@ -139,13 +153,48 @@ def run_files(args: argparse.Namespace) -> int:
                 text_file = write_heldout_text(Path(tmp) / "heldout.txt")
         for model in args.models:
             print(f"evaluating {model} ...", file=sys.stderr)
-            results.append(evaluate(model, text_file=text_file, n_ctx=args.ctx_size, chunks=args.chunks,
-                                    batch=args.batch_size, threads=args.threads, task_files=task_files))
+            result = evaluate(model, text_file=text_file, n_ctx=args.ctx_size, chunks=args.chunks,
+                              batch=args.batch_size, threads=args.threads, task_files=task_files, cache_type=cache_type)
+            if args.passkey:
+                result["passkey"] = passkey(model, tuple(args.passkey), depths, kv_type=cache_type,
+                                            threads=args.threads).report()
+            results.append(result)
     if text_file is not None and results:
         p = results[0]["perplexity"]
         print(f"perplexity: {p['chunks']} chunks of {p['n_ctx']} tokens, {p['tokens']} scored tokens "
               f"({'held-out C4' if not args.text else args.text})")
+    if cache_type != "f16":
+        print(f"KV cache: {cache_type} (-ctk {cache_type} -ctv {cache_type})")
+    if args.passkey:
+        print(f"passkey: found / asked, one prompt per depth ({', '.join(map(str, depths))})")
     print(format_results(results))
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def check_passkey_and_cache(args: argparse.Namespace) -> tuple[str, tuple[float, ...]]:
+    """(the KV cache type, the passkey depths) of --cache-type and --passkey/--passkey-depths, checked before
+    any work."""
+    from nbl_gguf.kv_cache import CACHE_TYPES
+    from nbl_gguf.measurement.passkey import DEPTHS
+
+    cache_type = args.cache_type.lower()
+    if cache_type not in CACHE_TYPES:
+        raise NblError(f"--cache-type {args.cache_type}: unknown KV cache type (use one of {', '.join(CACHE_TYPES)})")
+    if args.passkey_depths is not None and not args.passkey:
+        raise NblError("--passkey-depths means nothing without --passkey")
+    for n in args.passkey or ():
+        if n < 64:
+            raise NblError(f"--passkey {n}: a prompt of {n} tokens leaves no room for filler (give 64 or more)")
+    if args.passkey_depths is None:
+        return cache_type, DEPTHS
+    try:
+        depths = tuple(float(d) for d in args.passkey_depths.split(","))
+    except ValueError:
+        raise NblError(f"--passkey-depths {args.passkey_depths!r}: expected numbers from 0 to 1, e.g. 0.1,0.5,0.9") \
+            from None
+    bad = [d for d in depths if not 0.0 <= d <= 1.0]
+    if bad:
+        raise NblError(f"--passkey-depths {args.passkey_depths}: {bad[0]} is outside 0 (start) to 1 (end)")
+    return cache_type, depths

@@ -166,12 +166,13 @@ TASK_RUNNERS = {"hellaswag": hellaswag, "winogrande": winogrande, "multiple-choi
 
 
 def evaluate(model, *, text_file=None, n_ctx=DEFAULT_CTX, chunks=None, batch=None, threads=None,
-             task_files: dict | None = None) -> dict:
-    """Perplexity (if ``text_file``) and each task's accuracy of one GGUF, as plain data."""
+             task_files: dict | None = None, cache_type: str = "f16") -> dict:
+    """Perplexity (if ``text_file``, with a ``cache_type`` KV cache) and each task's accuracy of one GGUF, as
+    plain data."""
     result: dict = {"model": str(model)}
     if text_file is not None:
         result["perplexity"] = asdict(perplexity(model, text_file, n_ctx=n_ctx, chunks=chunks, batch=batch,
-                                                 threads=threads))
+                                                 threads=threads, cache_type=cache_type))
         result["perplexity"]["tokens"] = Perplexity(**result["perplexity"]).tokens
     for task, (path, tasks) in (task_files or {}).items():
         acc = TASK_RUNNERS[task](model, path, n_ctx=n_ctx, tasks=tasks, threads=threads)
@@ -183,7 +184,9 @@ def evaluate(model, *, text_file=None, n_ctx=DEFAULT_CTX, chunks=None, batch=Non
 def format_results(results: list[dict]) -> str:
     """evaluate()'s results of several GGUFs as a markdown table."""
     tasks = [t for t in TASKS if any(t in r for r in results)]
+    lengths = sorted({int(n) for r in results for n in (r.get("passkey") or {}).get("accuracy", {})})
     header = ["model"] + (["PPL"] if any("perplexity" in r for r in results) else []) + tasks
+    header += [f"passkey @{n}" for n in lengths]
     rows = []
     for r in results:
         row = [Path(r["model"]).name]
@@ -198,6 +201,9 @@ def format_results(results: list[dict]) -> str:
                 row.append(f"{a['accuracy']:.2f} [{a['ci95'][0]:.2f}, {a['ci95'][1]:.2f}] (n={a['tasks']})")
             else:
                 row.append(f"{a['accuracy']:.2f} ± {a['stderr']:.2f} (n={a['tasks']})")
+        for n in lengths:
+            trials = [t for t in (r.get("passkey") or {}).get("trials", []) if t["n_ctx"] == n]
+            row.append(f"{sum(t['found'] for t in trials)}/{len(trials)}" if trials else "")
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
