@@ -118,8 +118,11 @@ class Summary:
                 lines.append(f"  warning: only {len(r['kept'])} window layers kept the answers within the tolerance; "
                              f"{len(w['layers']) - len(r['kept'])} more were taken among the refused (long-range "
                              f"retrieval may suffer: ask for fewer --windows)")
+        cache = f" --cache-type {self.kv_type}" if self.kv_type != "f16" else ""
         return lines + ["  llama-cpp-python: load it with swa_full=False, or the window layers cache the whole context "
-                        "(llama-cli and llama-server: as long as --swa-full is not given)"]
+                        "(llama-cli and llama-server: as long as --swa-full is not given)",
+                        f"  check recall at the lengths you will run: python -m nbl_gguf eval {self.output}{cache} "
+                        f"--no-ppl --passkey 4096,16384"]
 
     def budget_lines(self) -> list[str]:
         """What --kv-budget measured: each cache type's fewest layers within the budget, best first."""
