@@ -204,12 +204,11 @@ def test_window_cache_is_the_window_the_sinks_and_a_ubatch(family_window_model):
     assert [(c.cells, c.layers) for c in caches] == [(n_ctx, N_LAYER)]
 
 
+@pytest.mark.parametrize("family_window_model", ["phi3"], indirect=True)
 def test_phi3_warns_that_its_own_window_is_off_but_not_for_window_layers(family_window_model):
     import llama_cpp
 
-    family, _, stock, path = family_window_model
-    if family != "phi3":
-        pytest.skip("phi3's loader only")
+    _, _, stock, path = family_window_model
 
     def load_log(file) -> str:
         params = llama_cpp.llama_model_default_params()
