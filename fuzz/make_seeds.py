@@ -99,11 +99,15 @@ SEEDS = {
     "qwen2-mixed": Seed("qwen2", (A, L, D)),
     "qwen2-windows-taps": Seed("qwen2", (A, T, A), taps=3, windows=nbl_format.Windows(layers=(2,), size=4, sinks=0)),
     "qwen3-mixed": Seed("qwen3", (D, A, L)),
+    "qwen3-windows": Seed("qwen3", (A, L, A), windows=nbl_format.Windows(layers=(0, 2), size=8, sinks=2)),
     "phi3-mixed": Seed("phi3", (L, A, D)),
+    "phi3-windows": Seed("phi3", (L, A, A), windows=nbl_format.Windows(layers=(1,), size=4, sinks=0)),
     "gemma2-mixed": Seed("gemma2", (A, L, D, A)),
     "gemma3-swa": Seed("gemma3", (L, A, D, A)),
     "gemma3-no-swa": Seed("gemma3", (A, D, L), arch_keys=False),
     "smollm3-mixed": Seed("smollm3", (A, D, L, L)),
+    # layer 3 has no RoPE: a window over positions it does not rotate
+    "smollm3-windows": Seed("smollm3", (A, D, A, A), windows=nbl_format.Windows(layers=(0, 3), size=8, sinks=2)),
 }
 
 

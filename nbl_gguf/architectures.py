@@ -22,7 +22,8 @@ class Architecture:
 
 
 # Keyed by GGUF architecture. Gemma 2's 4096 is both llama.cpp's default n_swa and transformers'
-# Gemma2Config default. phi3 turns its window off in llama.cpp; llama, qwen2 and smollm3 have none there.
+# Gemma2Config default. phi3 turns its own window off in llama.cpp (not the window layers of a pattern
+# array); llama, qwen2, qwen3 and smollm3 have none there.
 ARCHITECTURES = {
     "gemma2": Architecture(sliding_pattern=2, default_window=4096),
     "gemma3": Architecture(sliding_pattern=6),

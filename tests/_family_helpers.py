@@ -31,15 +31,17 @@ FAMILIES = {
 }
 
 
-def family_config(family: str, tokenizer):
+def family_config(family: str, tokenizer, **overrides):
+    """The tiny config of the family; ``overrides`` replace its settings (e.g. a longer context)."""
     import transformers
 
     config_name, _, _, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(
+    settings = dict(
         vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYER,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256, rms_norm_eps=1e-6,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id, **extra)
+    config = getattr(transformers, config_name)(**{**settings, **overrides})
     if family == "gemma3":
         vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                  num_attention_heads=2, image_size=32, patch_size=8)
@@ -50,14 +52,14 @@ def family_config(family: str, tokenizer):
     return config
 
 
-def random_family_model(family: str, tokenizer, seed: int = 0):
+def random_family_model(family: str, tokenizer, seed: int = 0, **overrides):
     """A random model of the family, norms and biases perturbed (init leaves norms at 1 and biases at
     0, so that a dropped Q/K norm or bias would not show)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[family][1])(family_config(family, tokenizer)).eval()
+    model = getattr(transformers, FAMILIES[family][1])(family_config(family, tokenizer, **overrides)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
@@ -82,13 +84,13 @@ def sentencepiece_model(texts) -> bytes:
     return model.getvalue()
 
 
-def tiny_family_model(family: str, root: Path, spm: bytes) -> Path:
+def tiny_family_model(family: str, root: Path, spm: bytes, **overrides) -> Path:
     from transformers import AutoTokenizer
 
     from nbl_gguf import models
 
     tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
-    model = random_family_model(family, tokenizer)
+    model = random_family_model(family, tokenizer, **overrides)
     path = root / f"tiny-{family}"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)  # the calibrator's tokenizer; llama.cpp is fed token ids here

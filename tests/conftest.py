@@ -45,6 +45,7 @@ SLOW_FIXTURES = {
     "qwen_gguf",  # test_convert_gguf_input: Qwen2.5-Coder-0.5B
     "embedded_prepared",  # test_heldout_kinds: the embedded model's folder and tokenizer
     "family",  # test_convert_families: a calibration and a conversion per family
+    "family_window_model",  # test_window_families: the HF-to-GGUF converter per family
     "source",  # test_convert_stock_runtime: the same per source
 }
 

@@ -185,8 +185,16 @@ def test_python_and_llama_cpp_agree_on_the_supported_architectures():
     assert {adapter.gguf_arch for adapter in ADAPTERS.values()} == in_cpp
 
 
-@pytest.mark.parametrize("family, m", [("mistral", M), ("qwen2", M), ("qwen2", 0)],  # mistral: the llama architecture
-                         indirect=["family"])
+# a family of each architecture that builds window layers (mistral's is llama; qwen3, phi3 and smollm3 since
+# patch 0019), qwen2 also without replaced layers
+WINDOW_CASES = [("mistral", M), ("qwen2", M), ("qwen2", 0), ("qwen3", M), ("phi3", M), ("smollm3", M)]
+
+
+def test_window_cases_cover_every_window_architecture():
+    assert {FAMILIES[family][2] for family, _ in WINDOW_CASES} == set(nbl_format.WINDOW_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("family, m", WINDOW_CASES, indirect=["family"])
 def test_window_layers_logits_match_pytorch(family, m, tmp_path):
     """convert --windows on top of the replaced layers: the chosen window layers are attention layers
     in the file, and llama.cpp's iSWA graph (cache bounded to the window: swa_full off) gives the logits

@@ -80,3 +80,21 @@ def test_inspect_counts_the_stock_model_with_every_layer_global(tmp_path):
     assert list(size_stock.caches) == [kv_cache.GLOBAL] and size_stock.caches[kv_cache.GLOBAL].layers == 4
     assert size_file.caches[kv_cache.SLIDING].cells == 768 and size_file.caches[kv_cache.SLIDING].layers == 2
     assert size_file.bytes == pytest.approx(size_stock.bytes * (2 * 32768 + 2 * 768) / (4 * 32768))
+
+
+def test_an_architecture_with_sliding_layers_of_its_own_is_refused(tmp_path):
+    """gemma2 and gemma3 slide by llama.cpp's own rule for them; every other architecture takes window layers."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("make_seeds", Path(__file__).resolve().parent.parent / "fuzz" / "make_seeds.py")
+    seeds = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_seeds", seeds)  # its dataclasses look their module up there
+    spec.loader.exec_module(seeds)
+    stock = seeds.write_seed(tmp_path / "gemma2.gguf", "gemma2", seeds.Seed("gemma2", None))
+    layers = nbl_format.NblLayers(types=[A, A, A], windows=nbl_format.Windows(layers=(1,), size=8))
+    with pytest.raises(NblError, match="'gemma2' model; the patched llama.cpp runs window layers for "
+                                       "llama, qwen2, qwen3, phi3, smollm3 only"):
+        nbl_format.write_nbl_gguf(stock, tmp_path / "out.gguf", layers)
+    assert not list(tmp_path.glob("*out.gguf*"))

@@ -211,8 +211,8 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
                         help="make N of the attention layers that are left window layers: each attends to the last "
                              "--window-size tokens and the first --window-sinks only, so its KV cache stops growing; "
                              "the N whose window costs least, measured at --window-ctx tokens on the selection text, "
-                             "among those that keep retrieval (--window-retrieval) (llama and qwen2, patched "
-                             "llama.cpp; docs/results/window.md) (default: 0)")
+                             "among those that keep retrieval (--window-retrieval) (llama, qwen2, qwen3, phi3 and "
+                             "smollm3, patched llama.cpp; docs/results/window.md) (default: 0)")
     parser.add_argument("--window-size", type=positive_int, default=DEFAULT_SIZE, metavar="W",
                         help=f"tokens a window layer attends to, itself included (default: {DEFAULT_SIZE})")
     parser.add_argument("--window-sinks", type=non_negative_int, default=DEFAULT_SINKS, metavar="S",

@@ -58,8 +58,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"
 # those whose graph also builds taps layers (llm_arch_supports_nbl_taps)
 TAPS_ARCHITECTURES = ("llama", "qwen2")
 # those whose loader reads the window layers of a file and whose graph builds them with the iSWA cache
-# (gemma2 and gemma3 have sliding windows of their own, which the file's keys already set)
-WINDOW_ARCHITECTURES = ("llama", "qwen2")
+# (patches 0016, 0018, 0019; gemma2 and gemma3 have sliding windows of their own, which the file's keys
+# already set)
+WINDOW_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "smollm3")
 FLOAT_WEIGHT_TYPES = ("F32", "F16", "BF16")
 # W's type when the one it would inherit (its layer's attn_output) cannot hold an n_embd x n_embd
 # matrix: q8_0 keeps W within about 0.5% at a quarter of F32's bytes; F16 when even its blocks do not fit

@@ -9,10 +9,10 @@ summary's evaluation never sees (the selection parts), and the lowest mean chang
 file with an F16 cache wins: a quantized cache and replaced layers are traded by what they cost, not by
 a rule.
 
-Where the file can carry window layers (llama, qwen2), each cache type also gets the fewest window layers
-of their measured order (calibration.windows) that fit: a window layer keeps its attention over the last
-W tokens and the first few, and its cache stops at the window (so it saves less than a replaced layer
-at short contexts, nearly as much at long ones). Where the window order came from the retrieval walk
+Where the file can carry window layers (llama, qwen2, qwen3, phi3, smollm3), each cache type also gets
+the fewest window layers of their measured order (calibration.windows) that fit: a window layer keeps its
+attention over the last W tokens and the first few, and its cache stops at the window (so it saves less
+than a replaced layer at short contexts, nearly as much at long ones). Where the window order came from the retrieval walk
 (``--window-retrieval``), a candidate that needs more window layers than the walk kept holds layers it
 refused: perplexity cannot see what they cost (recall of a fact beyond the window), so such a candidate
 ranks after every one that holds none, whatever its perplexity.
