@@ -62,8 +62,9 @@ class Summary:
             rows.append((f"held-out perplexity, {KINDS[kind].label} ({measured['tokens']:,} tokens)",
                          f"{measured['stock']:.3f}", f"{measured['nbl']:.3f}", change(measured["stock"], measured["nbl"])))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        windowed = f"; {len(self.windows['layers'])} window layers" if self.windows else ""
         lines = [f"{self.model}: {self.method} by {self.criterion}, {len(self.replaced)} of {self.n_layer} layers "
-                 f"replaced: {', '.join(map(str, self.replaced)) or 'none'}"]
+                 f"replaced: {', '.join(map(str, self.replaced)) or 'none'}{windowed}"]
         if self.scores is not None:
             lines.append("  layer scores (" + self.criterion + "): "
                          + ", ".join(f"{i}={self.scores[i]:.4f}" for i in self.replaced))
@@ -74,8 +75,9 @@ class Summary:
                 lines.append("  " + "  ".join("-" * w for w in widths))
         if self.heldout:
             first = next(iter(self.heldout.values()))
+            cache = f", both files with a {self.kv_type} KV cache" if self.kv_type != "f16" else ""
             lines.append(f"  held-out perplexity: llama-perplexity, up to {first['chunks']} chunks of {first['ctx']} "
-                         f"tokens of each kind's bundled documents never used for calibration or layer selection")
+                         f"tokens of each kind's bundled documents never used for calibration or layer selection{cache}")
             worst = max(self.heldout, key=lambda kind: self.heldout[kind]["nbl"] / self.heldout[kind]["stock"])
             lines.append(f"  worst kind of text: {KINDS[worst].label}, "
                          f"{change(self.heldout[worst]['stock'], self.heldout[worst]['nbl'])}")
