@@ -117,6 +117,15 @@ def test_roofline_window_layers_read_their_window_and_sinks_only(tiny, tmp_path)
     assert deep == pytest.approx(stock.tg_bytes(10 ** 6) / (weights + per_layer_kv * 2 * (10 ** 6 + 56)))
     roofline.check_pair(stock, windowed)  # a window file is a candidate against its stock file
 
+    # bench's KV table: llama.cpp's buffers at 1,024 cells are the global layer's 1,024 and the window
+    # layers' pad256(W + S + n_ubatch 512) = 768 each; at depth 1,000 the window layers hold 28 tokens
+    records = [{"test": "tg", "backend": "cpu", "label": label, "depth": 1000, "kv_cells": 1024, "kv_layers": 3,
+                "kv_mib": 1.0} for label in ("stock", "windows")]
+    rows = {r["model"]: r for r in speedup.kv_table(records, {"stock": stock, "windows": windowed})}
+    assert rows["stock"]["predicted_mib"] * 2 ** 20 == pytest.approx(per_layer_kv * 2 * 3 * 1024)
+    assert rows["windows"]["predicted_mib"] * 2 ** 20 == pytest.approx(per_layer_kv * 2 * (1024 + 2 * 768))
+    assert rows["windows"]["at_depth_mib"] * 2 ** 20 == pytest.approx(per_layer_kv * 2 * (1000 + 2 * 28))
+
 
 # --- llama-bench -------------------------------------------------------------------------------
 

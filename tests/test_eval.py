@@ -380,6 +380,9 @@ def test_cli_errors(tiny_gguf, tmp_path, capsys):
     assert "--passkey-depths means nothing without --passkey" in fails(str(tiny_gguf), "--passkey-depths", "0.5")
     assert "1.5 is outside 0 (start) to 1 (end)" in fails(str(tiny_gguf), "--passkey", "512", "--passkey-depths", "0.5,1.5")
     assert "--passkey 32: a prompt of 32 tokens leaves no room" in fails(str(tiny_gguf), "--passkey", "32")
+    # llama.cpp caps a sequence at the training context (4,096 here): the answer must fit beside the prompt
+    assert "tiny.gguf is trained to 4,096, which must hold the prompt and its answer (ask for at most 4,072)" in \
+        fails(str(tiny_gguf), "--passkey", "1024,4096")
     assert "--cache-type and --passkey measure the GGUF files given" in fails("--sweep", "--passkey", "512")
 
 

@@ -109,11 +109,45 @@ def test_candidates_holding_refused_window_layers_rank_last(monkeypatch):
     monkeypatch.setattr(llama_perplexity, "perplexity", fake)
     files_by_path = {"stock": None} | {f"c{i}": c for i, c in enumerate(found)}
     files = {c: f"c{i}" for i, c in enumerate(found)}
-    _, measured = kv_budget.measure("stock", files, {"c4": "t"}, 4096, 1, 1, log=lambda *_: None)
+    _, measured, stock_found = kv_budget.measure("stock", files, {"c4": "t"}, 4096, 1, 1, log=lambda *_: None)
+    assert stock_found is None and all(r.found is None for r in measured)
     ranks = [bool(r.candidate.refused) for r in measured]
     assert ranks == sorted(ranks) and ranks[-1] and not ranks[0]
     kept = [r.change_pct for r in measured if not r.candidate.refused]
     assert kept == sorted(kept)
+
+
+def test_candidates_that_find_fewer_passkeys_than_stock_rank_after_those_that_find_as_many(monkeypatch):
+    """With recall depths, stock and each candidate take the passkey test with their own cache type; the
+    best-measuring candidate loses keys, so the next one by perplexity that keeps them all is chosen."""
+    from nbl_gguf.llamacpp import perplexity as llama_perplexity
+    from nbl_gguf.measurement import passkey as passkey_module
+
+    model = KvModel(layers=tuple(KvLayer(w, w) for w in (256, 64, 256, 64, 128)))
+    found = kv_budget.candidates(model, 32768, 40 * 10 ** 6, [3, 1, 4, 0], [2, 0, 4, 1, 3], (512, 4))
+    assert len(found) >= 3
+    paths = {c: f"c{i}" for i, c in enumerate(found)}
+    change = {"stock": 0.0} | {path: 1.0 + i for i, path in enumerate(paths.values())}  # c0 best, then c1, ...
+    asked = []
+
+    def fake_perplexity(path, text, **_):
+        return type("P", (), {"ppl": 10.0 * (1 + change[path] / 100)})()
+
+    def fake_passkey(path, lengths, depths, *, kv_type, threads):
+        asked.append((path, kv_type, lengths))
+        keys = 1 if path == "c0" else len(depths)  # the best by perplexity loses recall
+        return passkey_module.PasskeyResult([passkey_module.Trial(lengths[0], d, 1, 10, "1" if i < keys else "x")
+                                             for i, d in enumerate(depths)])
+
+    monkeypatch.setattr(llama_perplexity, "perplexity", fake_perplexity)
+    monkeypatch.setattr(passkey_module, "passkey", fake_passkey)
+    _, measured, stock_found = kv_budget.measure("stock", paths, {"c4": "t"}, 4096, 1, 1, log=lambda *_: None,
+                                                 recall_depths=(0.2, 0.5, 0.8))
+    assert stock_found == 3
+    prompt = (passkey_module.longest_prompt(4096),)  # the prompt and its answer within the measured context
+    assert asked == [("stock", "f16", prompt)] + [(paths[c], c.kv_type, prompt) for c in found]
+    assert [paths[r.candidate] for r in measured] == [f"c{i}" for i in range(1, len(found))] + ["c0"]
+    assert measured[-1].found == 1 and measured[-1].loses_recall(stock_found)
 
 
 def test_the_window_walk_goes_as_far_as_the_budget_needs():
@@ -155,7 +189,8 @@ def test_bad_budgets_are_refused_before_any_work(tiny_gguf, tmp_path, capsys):
              (["--kv-budget", "100MiB"], "is met by the stock model as it is"),
              (["--kv-budget", "150KiB", "--m", "2"], "the budget chooses m"),
              (["--kv-budget", "150KiB", "--kv-type", "q8_0"], "the budget chooses the KV type"),
-             (["--kv-budget", "lots"], "expected a size")]
+             (["--kv-budget", "lots"], "expected a size"),
+             (["--kv-budget-passkey", "off"], "--kv-budget-passkey means nothing without --kv-budget")]
     for extra, message in cases:
         assert main(["convert", "--model", str(tiny_gguf), *extra, "-o", str(out)]) == 2
         assert message in capsys.readouterr().err
@@ -173,8 +208,9 @@ def test_convert_meets_the_budget_as_llama_cpp_allocates_it(tiny_gguf, tmp_path,
     out = tmp_path / "out.gguf"
     # F16 needs 3 layers replaced (128 KiB), q8_0 2 (136 KiB), q4_0 none (144 KiB)
     budget = 150 << 10
-    assert main(["convert", "--model", str(tiny_gguf), "--kv-budget", "150KiB", "--nsamples", "8", "--seqlen", "64",
-                 "--no-progress", "--threads", "1", "--eval-chunks", "1", "-o", str(out)]) == 0
+    # no passkey test: a random model finds no key (and its byte tokens run past the answer's length)
+    assert main(["convert", "--model", str(tiny_gguf), "--kv-budget", "150KiB", "--kv-budget-passkey", "off",
+                 "--nsamples", "8", "--seqlen", "64", "--no-progress", "--threads", "1", "--eval-chunks", "1", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "KV budget 150.00 KiB at 1,024 tokens" in printed
     lines = [line for line in printed.splitlines() if line.startswith("    NBL m = ") or line.startswith("    stock, KV")]
@@ -205,7 +241,8 @@ def test_window_candidates_are_measured_with_their_windows(tiny_gguf, tmp_path, 
 
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out.gguf"
-    assert main(["convert", "--model", str(tiny_gguf), "--kv-budget", "1.2MiB", "--ctx-size", "4096", "--window-size", "64",
+    assert main(["convert", "--model", str(tiny_gguf), "--kv-budget", "1.2MiB", "--kv-budget-passkey", "off",
+                 "--ctx-size", "4096", "--window-size", "64",
                  "--window-sinks", "2", "--nsamples", "8", "--seqlen", "64", "--no-progress", "--threads", "1",
                  "--eval-chunks", "1", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -235,3 +272,25 @@ def test_the_summary_gives_kv_and_run_flags_at_the_kv_type(tmp_path):
     assert "KV cache at 4,096 tokens (Q8_0)" in table
     assert f"run with: llama-cli -m {tmp_path / 'o.gguf'} -ctk q8_0 -ctv q8_0" in table
     assert "run with" not in Summary(**{**summary.__dict__, "kv_type": "f16"}).table()
+
+
+def test_the_summary_gives_each_candidates_passkeys_and_warns_when_the_chosen_one_lost_some(tmp_path):
+    from nbl_gguf.commands.convert_summary import Summary
+
+    def candidate(label, change, found):
+        return {"label": label, "kv_type": "q8_0", "m": 0, "layers": [], "windows": [1, 2], "refused_windows": [],
+                "kv_bytes": 2 ** 20, "passkey_found": found, "perplexity": {}, "change_pct": change}
+
+    budget = {"bytes": 2 ** 21, "n_ctx": 32768, "eval_ctx": 4096, "chunks": 1, "stock_ppl": {},
+              "passkey_depths": [0.1, 0.5, 0.9], "stock_passkey_found": 3,
+              "candidates": [candidate("2 window layers (W = 512), KV q8_0", 1.3, 1),
+                             candidate("NBL m = 2, KV q4_0", 200.0, 0)]}
+    summary = Summary(model="m", quant="Q4_K_M", method="attn-nbl", criterion="best", n_layer=4, replaced=[],
+                      scores=None, stock_bytes=1, nbl_bytes=1, kv={}, output=tmp_path / "o.gguf", budget=budget)
+    lines = summary.budget_lines()
+    assert lines[1].endswith("+1.30%  passkey 1/3  <- chosen") and lines[2].endswith("passkey 0/3")
+    assert any("stock (F16) found 3/3" in line for line in lines)
+    assert any(line.startswith("  warning: no candidate within the budget found as many passkeys as stock (1/3 "
+                               "against 3/3)") for line in lines)
+    budget["candidates"][0]["passkey_found"] = 3
+    assert not any("warning" in line for line in summary.budget_lines())

@@ -44,6 +44,8 @@ SUMMARY_CTX = 4096  # the summary's KV cache figures: at this context, and at th
 # one chunk of each kind's selection text (a KV type's loss grows with the context: 512 tokens cannot see it)
 BUDGET_CTX = 4096
 BUDGET_CHUNKS = 1
+# --kv-budget-passkey: where the passkey sits in each candidate's test at that context (start 0, end 1)
+BUDGET_PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 # what the calibration takes from convert's own flags as they are (the rest: calibration_settings)
 CALIBRATION_FLAGS = flags.group_names(flags.add_dataset_arguments, flags.add_compute_arguments,
                                       flags.add_selection_arguments) + ("batch_size", "method", "seed", "no_progress",
@@ -92,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the KV cache budget at --ctx-size (e.g. 640MiB, 1.5GiB): convert chooses the KV type "
                              "(f16, q8_0, q4_0) and m, each type with the fewest layers that fit, by measured held-out "
                              "perplexity at a long context (the stock file with a quantized cache among them)")
+    parser.add_argument("--kv-budget-passkey", choices=("on", "off"), default="on",
+                        help="--kv-budget: also give each candidate and the stock file the passkey test at the "
+                             "measurement's context, with the candidate's cache type; one that finds fewer keys "
+                             "than stock ranks after those that find as many (default: on; off saves about 5 "
+                             "prompts of that length per candidate)")
     parser.add_argument("--no-eval", action="store_true",
                         help="skip the held-out perplexity of the stock and NBL files (llama-perplexity)")
     parser.add_argument("--eval-chunks", type=int, default=EVAL_CHUNKS,
@@ -242,6 +249,8 @@ def convert(args) -> Summary:
     if args.nbl_type is not None and method == "attn-nbl":
         nbl_format.parse_weight_type(args.nbl_type, hidden)
     window_ctx = check_windows(args, source, n_layer)
+    if args.kv_budget is None and args.kv_budget_passkey != "on":
+        raise NblError("--kv-budget-passkey means nothing without --kv-budget")
     budget = check_kv_budget(args, source, n_layer) if args.kv_budget is not None else None
     if budget is not None:
         args = argparse.Namespace(**(vars(args) | {"m": budget.most_layers}))  # the calibration goes that far
@@ -625,13 +634,15 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     # enough for the chunks at any tokenizer's length of token (llama-perplexity wants 2 x ctx tokens)
     chars = CHARS_PER_TOKEN_BOUND * 2 * budget.eval_ctx * BUDGET_CHUNKS
     texts = {kind: write_selection_text(kind, tmp / f"budget-{kind}.txt", chars) for kind in KINDS}
-    base, measured = kv_budget.measure(stock, files, texts, budget.eval_ctx, BUDGET_CHUNKS, args.threads)
+    depths = BUDGET_PASSKEY_DEPTHS if args.kv_budget_passkey == "on" else ()
+    base, measured, stock_found = kv_budget.measure(stock, files, texts, budget.eval_ctx, BUDGET_CHUNKS, args.threads,
+                                                    recall_depths=depths)
     report = {"bytes": budget.bytes, "n_ctx": budget.n_ctx, "eval_ctx": budget.eval_ctx, "chunks": BUDGET_CHUNKS,
-              "stock_ppl": base,
+              "stock_ppl": base, "passkey_depths": list(depths), "stock_passkey_found": stock_found,
               "candidates": [{"label": r.candidate.label, "kv_type": r.candidate.kv_type, "m": r.candidate.m,
                               "layers": list(r.candidate.layers), "windows": list(r.candidate.windows),
                               "refused_windows": list(r.candidate.refused),
-                              "kv_bytes": r.candidate.kv_bytes,
+                              "kv_bytes": r.candidate.kv_bytes, "passkey_found": r.found,
                               "perplexity": r.perplexity, "change_pct": r.change_pct} for r in measured]}
     return measured[0].candidate, report
 

@@ -137,12 +137,23 @@ class Summary:
                  f"that fit, by held-out perplexity at {b['eval_ctx']:,} tokens ({b['chunks']} chunk of each kind's "
                  f"selection text) against stock with an F16 cache:"]
         width = max(len(c["label"]) for c in b["candidates"])
+        asked, stock_found = len(b.get("passkey_depths") or ()), b.get("stock_passkey_found")
         for index, c in enumerate(b["candidates"]):
+            keys = f"  passkey {c['passkey_found']}/{asked}" if c.get("passkey_found") is not None else ""
             lines.append(f"    {c['label']:<{width}}  KV {human_bytes(c['kv_bytes']):>11}  {c['change_pct']:+7.2f}%"
-                         + ("  <- chosen" if index == 0 else ""))
+                         + keys + ("  <- chosen" if index == 0 else ""))
         if any(c.get("refused_windows") for c in b["candidates"]):
             lines.append("    (a candidate with window layers the retrieval walk refused ranks after those without: "
                          "perplexity cannot see recall beyond the window)")
+        if stock_found is not None:
+            lines.append(f"    passkey: a number hidden in filler text at {asked} depths of a {b['eval_ctx']:,}-token "
+                         f"prompt, each file with its cache type; stock (F16) found {stock_found}/{asked}, and a "
+                         f"candidate that finds fewer ranks after those that find as many")
+            chosen = b["candidates"][0]
+            if chosen.get("passkey_found") is not None and chosen["passkey_found"] < stock_found:
+                lines.append(f"  warning: no candidate within the budget found as many passkeys as stock "
+                             f"({chosen['passkey_found']}/{asked} against {stock_found}/{asked}): recall of what lies "
+                             f"far back is weaker; a larger budget keeps more layers global")
         return lines
 
 

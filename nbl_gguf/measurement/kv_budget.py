@@ -15,7 +15,10 @@ attention over the last W tokens and the first few, and its cache stops at the w
 than a replaced layer at short contexts, nearly as much at long ones). Where the window order came from the retrieval walk
 (``--window-retrieval``), a candidate that needs more window layers than the walk kept holds layers it
 refused: perplexity cannot see what they cost (recall of a fact beyond the window), so such a candidate
-ranks after every one that holds none, whatever its perplexity.
+ranks after every one that holds none, whatever its perplexity. With ``recall_depths``, each candidate
+and the stock file also take the passkey test (measurement.passkey) at the measurement's context through
+llama.cpp with the candidate's own cache type, which the walk (PyTorch, no quantized cache) cannot see; a
+candidate that finds fewer keys than stock ranks after those that find as many.
 """
 
 from __future__ import annotations
@@ -171,23 +174,44 @@ class Measured:
     candidate: Candidate
     perplexity: dict[str, float]  # kind -> llama-perplexity at the long context
     change_pct: float  # mean over the kinds, against the stock file with an F16 cache
+    found: int | None = None  # passkeys found at the context (None: not tested)
+    asked: int = 0
+
+    def loses_recall(self, stock_found: int | None) -> bool:
+        return self.found is not None and stock_found is not None and self.found < stock_found
 
 
-def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int, chunks: int, threads, log=print):
-    """(the stock F16 perplexities, a Measured per candidate, best first: those that hold no window layer the
-    retrieval walk refused before those that do, each group by perplexity)."""
+def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int, chunks: int, threads, log=print,
+            recall_depths: tuple[float, ...] = ()):
+    """(the stock F16 perplexities, a Measured per candidate best first, the passkeys stock found (None without
+    ``recall_depths``)). Best first: those that hold no window layer the retrieval walk refused, then those that
+    find as many passkeys as stock, each group by perplexity."""
     from nbl_gguf.llamacpp.perplexity import perplexity
+    from nbl_gguf.measurement.passkey import longest_prompt, passkey
 
     def run(path, kv_type):
         return {kind: perplexity(path, text, n_ctx=n_ctx, chunks=chunks, threads=threads, cache_type=kv_type).ppl
                 for kind, text in texts.items()}
 
-    base = run(stock_path, "f16")
+    def recall(path, kv_type) -> int | None:
+        if not recall_depths:
+            return None
+        # the prompt and its answer within the context (the training context where that is the measurement's)
+        result = passkey(path, (longest_prompt(n_ctx),), recall_depths, kv_type=kv_type, threads=threads)
+        return sum(trial.found for trial in result.trials)
+
+    base, stock_found = run(stock_path, "f16"), recall(stock_path, "f16")
+    if stock_found is not None:
+        log(f"kv budget: stock, KV f16: passkey at {n_ctx} found {stock_found}/{len(recall_depths)}")
     measured = []
     for candidate, path in files.items():
         ppl = run(path, candidate.kv_type)
         change = sum(100 * (ppl[k] / base[k] - 1) for k in base) / len(base)
-        log(f"kv budget: {candidate.label}: {format_mib(candidate.kv_bytes)}, held-out perplexity at {n_ctx} {change:+.2f}%")
-        measured.append(Measured(candidate, ppl, change))
-    measured.sort(key=lambda r: (bool(r.candidate.refused), r.change_pct, r.candidate.kv_bytes))
-    return base, measured
+        found = recall(path, candidate.kv_type)
+        keys = f", passkey found {found}/{len(recall_depths)}" if found is not None else ""
+        log(f"kv budget: {candidate.label}: {format_mib(candidate.kv_bytes)}, held-out perplexity at {n_ctx} "
+            f"{change:+.2f}%{keys}")
+        measured.append(Measured(candidate, ppl, change, found, len(recall_depths)))
+    measured.sort(key=lambda r: (bool(r.candidate.refused), r.loses_recall(stock_found), r.change_pct,
+                                 r.candidate.kv_bytes))
+    return base, measured, stock_found

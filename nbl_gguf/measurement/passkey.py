@@ -23,6 +23,7 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 ANSWER_TOKENS = 8
+HEADROOM = ANSWER_TOKENS + 16  # cells beyond the prompt: the answer, and a margin
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,23 @@ def build_prompt(count_tokens, n_tokens: int, depth: float, key: int) -> str:
     raise NblError(f"a passkey prompt of {n_tokens} tokens leaves no room for filler")
 
 
+def longest_prompt(n_ctx: int) -> int:
+    """The longest passkey prompt whose answer still fits a context of ``n_ctx`` cells."""
+    return n_ctx - HEADROOM
+
+
+def check_lengths(model, lengths) -> None:
+    """llama.cpp caps a sequence at the training context: a prompt and its answer beyond it find no cell."""
+    import gguf
+
+    from nbl_gguf.gguf.metadata import training_context
+
+    trained = training_context(gguf.GGUFReader(model))
+    if trained and max(lengths) + HEADROOM > trained:
+        raise NblError(f"passkey prompts of {max(lengths):,} tokens: {Path(model).name} is trained to {trained:,}, "
+                       f"which must hold the prompt and its answer (ask for at most {longest_prompt(trained):,})")
+
+
 def passkey(model: str | Path, lengths=(4096,), depths=DEPTHS, *, seed: int = 0, kv_type: str = "f16",
             threads: int | None = None, n_gpu_layers: int | None = None) -> PasskeyResult:
     """Greedy answers of the GGUF ``model`` to one prompt per (length, depth), each with its own key."""
@@ -80,9 +98,10 @@ def passkey(model: str | Path, lengths=(4096,), depths=DEPTHS, *, seed: int = 0,
 
     from nbl_gguf.llamacpp import library
 
+    check_lengths(model, lengths)
     rng = random.Random(seed)
     kv = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
-    llm, _ = library.load_model(model, n_ctx=max(lengths) + ANSWER_TOKENS + 16, n_gpu_layers=n_gpu_layers,
+    llm, _ = library.load_model(model, n_ctx=max(lengths) + HEADROOM, n_gpu_layers=n_gpu_layers,
                                 swa_full=False, type_k=kv, type_v=kv, flash_attn=True, n_batch=512,
                                 n_threads=threads, n_threads_batch=threads)
     try:

@@ -91,6 +91,19 @@ def speedup_table(measurements: list[dict], costs: dict[str, ModelCost], cache_t
     return rows
 
 
+def _buffer_bytes(cost: ModelCost, cells: int, cache_type: str) -> float:
+    """The K/V buffers llama.cpp allocates for a context of ``cells``: every attention layer's cells, except
+    that a file with window layers has a second, window-sized cache for them (kv_cache's rule)."""
+    if not cost.window_cells:
+        return cost.kv_bytes_per_token(cache_type) * cells
+    import gguf
+
+    from nbl_gguf.gguf.metadata import kv_sizes
+
+    _, size = kv_sizes(gguf.GGUFReader(cost.path), cells, type_k=cache_type, type_v=cache_type)
+    return size.bytes
+
+
 def kv_table(measurements: list[dict], costs: dict[str, ModelCost], cache_type: str = "f16") -> list[dict]:
     """Measured KV cache (llama.cpp's log) per model and depth against the GGUF's bytes/token."""
     rows = {}
@@ -103,9 +116,10 @@ def kv_table(measurements: list[dict], costs: dict[str, ModelCost], cache_type: 
         rows[key] = {
             "backend": record["backend"], "model": record["label"], "depth": record["depth"],
             "cells": record["kv_cells"], "kv_layers": record["kv_layers"], "measured_mib": record["kv_mib"],
-            "predicted_mib": per_token * record["kv_cells"] / 2**20,
+            "predicted_mib": _buffer_bytes(cost, record["kv_cells"], cache_type) / 2**20,
             "bytes_per_token": per_token,
-            "at_depth_mib": per_token * record["depth"] / 2**20,
+            # what the tokens at this depth hold: a window layer's cells stop at its window and sinks
+            "at_depth_mib": (cost.tg_bytes(record["depth"], cache_type) - cost.weight_bytes_per_token()) / 2**20,
         }
     out = list(rows.values())
     stock = {(r["backend"], r["depth"]): r for r in out if r["model"] == "stock"}
