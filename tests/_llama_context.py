@@ -53,6 +53,16 @@ class Context:
         finally:
             lib.llama_batch_free(batch)
 
+    def interleaved(self, a, b) -> tuple[np.ndarray, np.ndarray]:
+        """Sequences 0 and 1 from position 0, their tokens alternating in one batch: (a's logits, b's)."""
+        items = []
+        for i in range(max(len(a), len(b))):
+            items += [(a[i], i, 0)] if i < len(a) else []
+            items += [(b[i], i, 1)] if i < len(b) else []
+        got = self.decode(items)
+        return (got[[k for k, (_, _, s) in enumerate(items) if s == 0]],
+                got[[k for k, (_, _, s) in enumerate(items) if s == 1]])
+
     def run(self, tokens, seq: int = 0, start: int = 0) -> np.ndarray:
         return self.decode([(t, start + i, seq) for i, t in enumerate(tokens)])
 

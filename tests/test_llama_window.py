@@ -100,15 +100,9 @@ def test_two_sequences_in_one_batch(window_model):
     a, b = reference.tokens(40, seed=2), reference.tokens(33, seed=3)
     ctx = context(path, n_seq_max=2)
     try:
-        items = []
-        for i in range(max(len(a), len(b))):
-            items += [(a[i], i, 0)] if i < len(a) else []
-            items += [(b[i], i, 1)] if i < len(b) else []
-        got = ctx.decode(items)
-        rows_a = [k for k, (_, _, s) in enumerate(items) if s == 0]
-        rows_b = [k for k, (_, _, s) in enumerate(items) if s == 1]
-        assert close(got[rows_a], reference.logits(a)) < TOLERANCE
-        assert close(got[rows_b], reference.logits(b)) < TOLERANCE
+        got_a, got_b = ctx.interleaved(a, b)
+        assert close(got_a, reference.logits(a)) < TOLERANCE
+        assert close(got_b, reference.logits(b)) < TOLERANCE
     finally:
         ctx.close()
 

@@ -165,15 +165,9 @@ def test_two_sequences_in_one_batch(family_window_model):
     a, b = tokens(290, seed=2), tokens(270, seed=3)  # each overwrites its own stream's window cells
     ctx = context(path, n_seq_max=2)
     try:
-        items = []
-        for i in range(max(len(a), len(b))):
-            items += [(a[i], i, 0)] if i < len(a) else []
-            items += [(b[i], i, 1)] if i < len(b) else []
-        got = ctx.decode(items)
-        rows_a = [k for k, (_, _, s) in enumerate(items) if s == 0]
-        rows_b = [k for k, (_, _, s) in enumerate(items) if s == 1]
-        assert error(got[rows_a], reference.logits(a)) < TOLERANCE
-        assert error(got[rows_b], reference.logits(b)) < TOLERANCE
+        got_a, got_b = ctx.interleaved(a, b)
+        assert error(got_a, reference.logits(a)) < TOLERANCE
+        assert error(got_b, reference.logits(b)) < TOLERANCE
     finally:
         ctx.close()
 
