@@ -44,8 +44,6 @@ SUMMARY_CTX = 4096  # the summary's KV cache figures: at this context, and at th
 # one chunk of each kind's selection text (a KV type's loss grows with the context: 512 tokens cannot see it)
 BUDGET_CTX = 4096
 BUDGET_CHUNKS = 1
-# --kv-budget-passkey: where the passkey sits in each candidate's test at that context (start 0, end 1)
-BUDGET_PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 # what the calibration takes from convert's own flags as they are (the rest: calibration_settings)
 CALIBRATION_FLAGS = flags.group_names(flags.add_dataset_arguments, flags.add_compute_arguments,
                                       flags.add_selection_arguments) + ("batch_size", "method", "seed", "no_progress",
@@ -606,6 +604,7 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     file itself for m = 0) and measured."""
     from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, write_selection_text
     from nbl_gguf.measurement import kv_budget
+    from nbl_gguf.measurement.passkey import DEPTHS
 
     # the order the layers join in as m grows, as the normal path chooses them (each m's set holds the last's)
     order: list[int] = []
@@ -634,7 +633,7 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     # enough for the chunks at any tokenizer's length of token (llama-perplexity wants 2 x ctx tokens)
     chars = CHARS_PER_TOKEN_BOUND * 2 * budget.eval_ctx * BUDGET_CHUNKS
     texts = {kind: write_selection_text(kind, tmp / f"budget-{kind}.txt", chars) for kind in KINDS}
-    depths = BUDGET_PASSKEY_DEPTHS if args.kv_budget_passkey == "on" else ()
+    depths = DEPTHS if args.kv_budget_passkey == "on" else ()  # eval --passkey's default depths
     base, measured, stock_found = kv_budget.measure(stock, files, texts, budget.eval_ctx, BUDGET_CHUNKS, args.threads,
                                                     recall_depths=depths)
     report = {"bytes": budget.bytes, "n_ctx": budget.n_ctx, "eval_ctx": budget.eval_ctx, "chunks": BUDGET_CHUNKS,

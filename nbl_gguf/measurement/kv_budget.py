@@ -175,7 +175,6 @@ class Measured:
     perplexity: dict[str, float]  # kind -> llama-perplexity at the long context
     change_pct: float  # mean over the kinds, against the stock file with an F16 cache
     found: int | None = None  # passkeys found at the context (None: not tested)
-    asked: int = 0
 
     def loses_recall(self, stock_found: int | None) -> bool:
         return self.found is not None and stock_found is not None and self.found < stock_found
@@ -211,7 +210,7 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
         keys = f", passkey found {found}/{len(recall_depths)}" if found is not None else ""
         log(f"kv budget: {candidate.label}: {format_mib(candidate.kv_bytes)}, held-out perplexity at {n_ctx} "
             f"{change:+.2f}%{keys}")
-        measured.append(Measured(candidate, ppl, change, found, len(recall_depths)))
+        measured.append(Measured(candidate, ppl, change, found))
     measured.sort(key=lambda r: (bool(r.candidate.refused), r.loses_recall(stock_found), r.change_pct,
                                  r.candidate.kv_bytes))
     return base, measured, stock_found
