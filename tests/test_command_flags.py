@@ -211,7 +211,7 @@ def test_convert_options_and_their_command_line_agree():
     from nbl_gguf.commands import convert
 
     given = dict(model="dir with space", m=8, quant="q4_k_m", taps=4, no_eval=True, output="out/nbl.gguf", seed=3,
-                 threads=2, nsamples=16, save_calibration="cal", windows=2)
+                 threads=2, nsamples=16, save_calibration="cal", windows=2, window_size=[128, 512])
     options = convert.options(**given)
     assert {name: getattr(options, name) for name in given} == given
     words = shlex.split(convert.command_line(options))

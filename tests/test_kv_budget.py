@@ -68,7 +68,7 @@ def test_window_candidates_are_the_shortest_fitting_prefix_of_their_order():
     model = KvModel(layers=tuple(KvLayer(w, w) for w in (256, 64, 256, 64, 128)))
     n_ctx, order, window_order = 32768, [3, 1, 4, 0], [2, 0, 4, 1, 3]
     budget = 40 * 10 ** 6
-    found = kv_budget.candidates(model, n_ctx, budget, order, window_order, (512, 4))
+    found = kv_budget.candidates(model, n_ctx, budget, order, window_order, [(512, 4)])
     windowed = [c for c in found if c.windows]
     assert windowed, "some type fits with window layers at this budget"
     for candidate in windowed:
@@ -83,6 +83,57 @@ def test_window_candidates_are_the_shortest_fitting_prefix_of_their_order():
         assert "window layers (W = 512)" in candidate.label
 
 
+def test_a_smaller_window_is_a_candidate_where_it_needs_fewer_window_layers():
+    """Qwen2.5-0.5B's cache (24 layers, 2 KV heads of 64) at 32,768 tokens and 10% of its F16 bytes: with
+    q8_0, W = 512 needs 21 window layers and W = 128 20, one more global layer; with F16 both need 23, and
+    the smaller window (same count, less attended) is no candidate. Against the cache written out by hand:
+    a global layer holds the context, a window layer pad256(W + sinks + 512) cells, 2 x 128 values a cell."""
+    model = KvModel(layers=tuple(KvLayer(128, 128) for _ in range(24)))
+    n_ctx, budget, window_order = 32768, int(38.4 * 2 ** 20), list(range(24))
+    cell_bytes = {"f16": 2 * 128 * 2, "q8_0": 2 * 128 // 32 * 34, "q4_0": 2 * 128 // 32 * 18}
+
+    def by_hand(kv_type, k, size):
+        cells = -(-(size + 4 + 512) // 256) * 256
+        return ((24 - k) * n_ctx + k * cells) * cell_bytes[kv_type]
+
+    found = kv_budget.candidates(model, n_ctx, budget, [], window_order, [(128, 4), (512, 4)])
+    expected = []
+    for kv_type in kv_budget.KV_TYPES:
+        fewest = 25
+        for size in (512, 128):
+            k = next(k for k in range(1, 25) if by_hand(kv_type, k, size) <= budget)
+            if k < fewest:
+                expected.append((kv_type, size, k, by_hand(kv_type, k, size)))
+                fewest = k
+    assert [(c.kv_type, c.window[0], len(c.windows), c.kv_bytes) for c in found if c.windows] == expected
+    counts = {(kv_type, size): k for kv_type, size, k, _ in expected}
+    assert counts[("q8_0", 512)] == 21 and counts[("q8_0", 128)] == 20
+    assert counts[("f16", 512)] == 23 and ("f16", 128) not in counts
+    assert any("window layers (W = 128)" in c.label for c in found)
+
+
+def test_the_budgets_window_sizes_show_at_its_context():
+    """--kv-budget tries each default window size below half its measuring context, or those given;
+    a given size that cannot show there is refused by name, and --windows takes one size."""
+    import argparse
+
+    from nbl_gguf.commands import flags
+    from nbl_gguf.commands.convert import budget_window_sizes
+    from nbl_gguf.errors import NblError
+
+    source = type("Source", (), {"gguf": type("G", (), {"architecture": "qwen2"})()})()
+    args = argparse.Namespace(runtime="nbl", window_size=None)
+    assert budget_window_sizes(args, source, 4096) == (128, 512)
+    assert budget_window_sizes(args, source, 8192) == (128, 512, 2048)
+    assert budget_window_sizes(argparse.Namespace(runtime="stock", window_size=None), source, 8192) == ()
+    assert budget_window_sizes(argparse.Namespace(runtime="nbl", window_size=[512, 64]), source, 4096) == (64, 512)
+    with pytest.raises(NblError, match=r"--window-size 2048 with --kv-budget: .* 4,096 tokens"):
+        budget_window_sizes(argparse.Namespace(runtime="nbl", window_size=[2048]), source, 4096)
+    assert flags.one_window_size(None) == 512 and flags.one_window_size([64]) == 64
+    with pytest.raises(NblError, match="--window-size 128,512: --windows takes one window size"):
+        flags.one_window_size([128, 512])
+
+
 def test_candidates_holding_refused_window_layers_rank_last(monkeypatch):
     """Where the retrieval walk kept only the first ``window_kept`` (here 1) of the window order, a candidate with more
     window layers holds refused ones (named in its label) and ranks after every candidate that holds none,
@@ -92,13 +143,13 @@ def test_candidates_holding_refused_window_layers_rank_last(monkeypatch):
     model = KvModel(layers=tuple(KvLayer(w, w) for w in (256, 64, 256, 64, 128)))
     n_ctx, order, window_order = 32768, [3, 1, 4, 0], [2, 0, 4, 1, 3]
     budget = 40 * 10 ** 6
-    found = kv_budget.candidates(model, n_ctx, budget, order, window_order, (512, 4), window_kept=1)
+    found = kv_budget.candidates(model, n_ctx, budget, order, window_order, [(512, 4)], window_kept=1)
     windowed = [c for c in found if c.windows]
     assert any(len(c.windows) > 1 for c in windowed) and any(len(c.windows) == 1 for c in windowed)
     for candidate in windowed:
         assert candidate.refused == tuple(sorted(window_order[1:len(candidate.windows)]))
         assert ("refused by the retrieval walk" in candidate.label) == bool(candidate.refused)
-    assert all(not c.refused for c in kv_budget.candidates(model, n_ctx, budget, order, window_order, (512, 4)))
+    assert all(not c.refused for c in kv_budget.candidates(model, n_ctx, budget, order, window_order, [(512, 4)]))
 
     # perplexity: the fewer layers touched the better, except the refused candidates, which measure best
     def fake(path, text, **_):
@@ -124,7 +175,7 @@ def test_candidates_that_find_fewer_passkeys_than_stock_rank_after_those_that_fi
     from nbl_gguf.measurement import passkey as passkey_module
 
     model = KvModel(layers=tuple(KvLayer(w, w) for w in (256, 64, 256, 64, 128)))
-    found = kv_budget.candidates(model, 32768, 40 * 10 ** 6, [3, 1, 4, 0], [2, 0, 4, 1, 3], (512, 4))
+    found = kv_budget.candidates(model, 32768, 40 * 10 ** 6, [3, 1, 4, 0], [2, 0, 4, 1, 3], [(512, 4)])
     assert len(found) >= 3
     paths = {c: f"c{i}" for i, c in enumerate(found)}
     change = {"stock": 0.0} | {path: 1.0 + i for i, path in enumerate(paths.values())}  # c0 best, then c1, ...
@@ -145,9 +196,11 @@ def test_candidates_that_find_fewer_passkeys_than_stock_rank_after_those_that_fi
                                                  recall_depths=(0.2, 0.5, 0.8))
     assert stock_found == 3
     prompt = (passkey_module.longest_prompt(4096),)  # the prompt and its answer within the measured context
-    assert asked == [("stock", "f16", prompt)] + [(paths[c], c.kv_type, prompt) for c in found]
+    # in the order of perplexity until one finds as many keys as stock: c0 loses some, c1 wins, the rest untested
+    assert asked == [("stock", "f16", prompt)] + [(paths[c], c.kv_type, prompt) for c in found[:2]]
     assert [paths[r.candidate] for r in measured] == [f"c{i}" for i in range(1, len(found))] + ["c0"]
     assert measured[-1].found == 1 and measured[-1].loses_recall(stock_found)
+    assert measured[0].found == 3 and all(r.found is None for r in measured[1:-1])
 
 
 def test_the_window_walk_goes_as_far_as_the_budget_needs():
@@ -156,7 +209,7 @@ def test_the_window_walk_goes_as_far_as_the_budget_needs():
     model = KvModel(layers=tuple(KvLayer(64, 64) for _ in range(6)))
     n_ctx, window = 32768, (512, 4)
     for budget in (10 * 2 ** 20, 30 * 2 ** 20, 60 * 2 ** 20):
-        found = kv_budget.candidates(model, n_ctx, budget, [], list(range(6)), window)
+        found = kv_budget.candidates(model, n_ctx, budget, [], list(range(6)), [window])
         most = max((len(c.windows) for c in found if c.windows), default=1)
         assert kv_budget.windows_needed(model, n_ctx, budget, window) == most
     # a budget no count of window layers meets: walk them all

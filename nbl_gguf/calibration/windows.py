@@ -26,6 +26,8 @@ from nbl_gguf.calibration.apply import ATTN_WINDOW
 from nbl_gguf.errors import NblError
 
 DEFAULT_SIZE = 512
+# the window sizes --kv-budget chooses among (those that show at its measuring context)
+BUDGET_WINDOW_SIZES = (128, 512, 2048)
 DEFAULT_SINKS = 4  # the first tokens most heads of our models lean on (docs/results/window.md)
 DEFAULT_CTX = 4096  # the context the choice is measured at (the model's training context if shorter)
 # nats per answer token over the loss without window layers (SmolLM2: 0.41 without; the 8 layers cheapest on text

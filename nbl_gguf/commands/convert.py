@@ -246,6 +246,8 @@ def convert(args) -> Summary:
                                output.resolve().parent, quantized=quant not in FLOAT_TYPES)
     if args.nbl_type is not None and method == "attn-nbl":
         nbl_format.parse_weight_type(args.nbl_type, hidden)
+    if args.kv_budget is None:  # --windows' one size (the budget reads the list: budget_window_sizes)
+        args = argparse.Namespace(**(vars(args) | {"window_size": flags.one_window_size(args.window_size)}))
     window_ctx = check_windows(args, source, n_layer)
     if args.kv_budget is None and args.kv_budget_passkey != "on":
         raise NblError("--kv-budget-passkey means nothing without --kv-budget")
@@ -482,9 +484,10 @@ def check_windows(args, source, n_layer: int) -> int | None:
     return ctx
 
 
-def window_layers(args, source, layers, ctx: int, count: int | None = None):
-    """calibration.windows.choose_windows of ``count`` layers (default --windows) on each bundled kind's
-    selection text, on top of ``layers``' replaced layers (their maps as the file carries them)."""
+def window_layers(args, source, layers, ctx: int, count: int | None = None, size: int | None = None):
+    """calibration.windows.choose_windows of ``count`` layers (default --windows) of a window of ``size``
+    tokens (default --window-size) on each bundled kind's selection text, on top of ``layers``' replaced
+    layers (their maps as the file carries them)."""
     import torch
 
     from nbl_gguf import models
@@ -510,7 +513,7 @@ def window_layers(args, source, layers, ctx: int, count: int | None = None):
     def maps(layer: int, layer_type: int):
         return layers.linear[layer] if layer_type == ATTN_LINEAR else layers.taps[layer]
 
-    window = Window(args.window_size, args.window_sinks)
+    window = Window(args.window_size if size is None else size, args.window_sinks)
     guard = {} if args.window_retrieval is None else \
         {"probes": retrieval_probes(stream.tokenizer, ids, window), "tolerance": args.window_retrieval}
     return choose_windows(stream, ids, count, window, replaced=replaced, maps=maps, **guard)
@@ -536,18 +539,35 @@ def source_architecture(source) -> str:
     return models.get_adapter(_json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))).gguf_arch
 
 
-def budget_window_order(args, source, n_layer: int, ctx: int, needed: int | None = None):
-    """(the layers in the order they are best made window layers, how many of them the retrieval walk kept)
-    (calibration.windows.WindowChoice.order: each measured alone on the stock model, and walked with the
-    retrieval probes unless --window-retrieval off, as far as ``needed`` kept layers; the count is None
-    without the walk), when the file can carry window layers; else (None, None)."""
+def budget_window_sizes(args, source, ctx: int) -> tuple[int, ...]:
+    """The window sizes --kv-budget chooses among: --window-size's, or each of BUDGET_WINDOW_SIZES that shows
+    at the measuring context ``ctx`` (a window only shows past its size: above twice it); none where the file
+    cannot carry window layers."""
+    from nbl_gguf.calibration.windows import BUDGET_WINDOW_SIZES
     from nbl_gguf.gguf import nbl_format
 
-    if args.runtime != "nbl" or source_architecture(source) not in nbl_format.WINDOW_ARCHITECTURES \
-            or ctx <= 2 * args.window_size:
-        return None, None
+    if args.runtime != "nbl" or source_architecture(source) not in nbl_format.WINDOW_ARCHITECTURES:
+        return ()
+    if args.window_size is None:
+        return tuple(size for size in BUDGET_WINDOW_SIZES if ctx > 2 * size)
+    sizes = [args.window_size] if isinstance(args.window_size, int) else list(args.window_size)
+    for size in sizes:
+        if ctx <= 2 * size:
+            raise NblError(f"--window-size {size} with --kv-budget: the candidates are measured at {ctx:,} tokens, "
+                           f"and a window only shows past its size (at most {(ctx - 1) // 2:,} here)")
+    return tuple(sorted(set(sizes)))
+
+
+def budget_window_order(args, source, n_layer: int, ctx: int, size: int, needed: int | None = None):
+    """(the layers in the order they are best made window layers of ``size`` tokens, how many of them the
+    retrieval walk kept) (calibration.windows.WindowChoice.order: each measured alone on the stock model, and
+    walked with the retrieval probes unless --window-retrieval off, as far as ``needed`` kept layers; the
+    count is None without the walk)."""
+    from nbl_gguf.gguf import nbl_format
+
     stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
-    choice = window_layers(args, source, stock, ctx, count=1 if args.window_retrieval is None else needed or n_layer)
+    choice = window_layers(args, source, stock, ctx, count=1 if args.window_retrieval is None else needed or n_layer,
+                           size=size)
     return choice.order, (len(choice.retrieval.kept) if choice.retrieval is not None else None)
 
 
@@ -611,10 +631,16 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     for m in range(1, budget.most_layers + 1):
         layers = chosen_layers(artifact, layer_choice(args, m), method, n_layer, taps)
         order += sorted(set(layers) - set(order))
-    window = (args.window_size, args.window_sinks)
-    window_order, window_kept = budget_window_order(
-        args, source, n_layer, budget.eval_ctx, kv_budget.windows_needed(budget.model, budget.n_ctx, budget.bytes, window))
-    found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order, window_order, window, window_kept)
+    windows_at = [(size, args.window_sinks) for size in budget_window_sizes(args, source, budget.eval_ctx)]
+    window_order, window_kept = None, None
+    if windows_at:
+        # one order, at the largest window (its retrieval walk keeps the most layers); a smaller window's loss of
+        # recall is what the passkey test of each candidate sees (--kv-budget-passkey)
+        largest = max(windows_at)
+        window_order, window_kept = budget_window_order(
+            args, source, n_layer, budget.eval_ctx, largest[0],
+            needed=kv_budget.windows_needed(budget.model, budget.n_ctx, budget.bytes, largest))
+    found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order, window_order, windows_at, window_kept)
     if not found:
         deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order)
         raise NblError(f"--kv-budget {args.kv_budget} at {budget.n_ctx:,} tokens: the layers the calibration chose "
@@ -626,7 +652,7 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
             files[candidate] = stock
             continue
         # a prefix of its order: the same file serves that prefix at every cache type
-        name = f"w{len(candidate.windows)}" if candidate.windows else f"m{candidate.m}"
+        name = f"w{len(candidate.windows)}-{candidate.window[0]}" if candidate.windows else f"m{candidate.m}"
         path = files[candidate] = tmp / f"budget-{name}.gguf"
         if not path.is_file():
             surgery(stock, path, budget_layers(candidate, artifact, args, source, method, n_layer, taps), args, imatrix)
@@ -640,6 +666,7 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
               "stock_ppl": base, "passkey_depths": list(depths), "stock_passkey_found": stock_found,
               "candidates": [{"label": r.candidate.label, "kv_type": r.candidate.kv_type, "m": r.candidate.m,
                               "layers": list(r.candidate.layers), "windows": list(r.candidate.windows),
+                              "window": list(r.candidate.window) if r.candidate.windows else None,
                               "refused_windows": list(r.candidate.refused),
                               "kv_bytes": r.candidate.kv_bytes, "passkey_found": r.found,
                               "perplexity": r.perplexity, "change_pct": r.change_pct} for r in measured]}
@@ -711,8 +738,10 @@ def command_line(args: argparse.Namespace) -> str:
         flag = max(action.option_strings, key=len)
         if isinstance(action, argparse._StoreTrueAction):
             words.append(flag)
+        elif isinstance(value, (list, tuple)):  # one word per value, or one 'a,b' word for a single argument
+            words += [flag, *map(str, value)] if action.nargs else [flag, ",".join(map(str, value))]
         else:
-            words += [flag, *(map(str, value) if isinstance(value, (list, tuple)) else [str(value)])]
+            words += [flag, str(value)]
     return " ".join(["python -m nbl_gguf convert", *map(shlex.quote, words)])
 
 

@@ -148,7 +148,8 @@ class Summary:
         if stock_found is not None:
             lines.append(f"    passkey: a number hidden in filler text at {asked} depths of a {b['eval_ctx']:,}-token "
                          f"prompt, each file with its cache type; stock (F16) found {stock_found}/{asked}, and a "
-                         f"candidate that finds fewer ranks after those that find as many")
+                         f"candidate that finds fewer ranks after those that find as many (taken in the order of "
+                         f"perplexity until one does: the rest untested)")
             chosen = b["candidates"][0]
             if chosen.get("passkey_found") is not None and chosen["passkey_found"] < stock_found:
                 lines.append(f"  warning: no candidate within the budget found as many passkeys as stock "

@@ -205,7 +205,8 @@ def retrieval_tolerance(text: str) -> float | None:
 
 def add_window_arguments(parser: argparse.ArgumentParser) -> None:
     """--windows and its window: attention layers kept over the last tokens and the first few only."""
-    from nbl_gguf.calibration.windows import DEFAULT_CTX, DEFAULT_RETRIEVAL_TOLERANCE, DEFAULT_SINKS, DEFAULT_SIZE
+    from nbl_gguf.calibration.windows import (BUDGET_WINDOW_SIZES, DEFAULT_CTX, DEFAULT_RETRIEVAL_TOLERANCE,
+                                              DEFAULT_SINKS, DEFAULT_SIZE)
 
     parser.add_argument("--windows", type=non_negative_int, default=0, metavar="N",
                         help="make N of the attention layers that are left window layers: each attends to the last "
@@ -213,8 +214,10 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
                              "the N whose window costs least, measured at --window-ctx tokens on the selection text, "
                              "among those that keep retrieval (--window-retrieval) (llama, qwen2, qwen3, phi3 and "
                              "smollm3, patched llama.cpp; docs/results/window.md) (default: 0)")
-    parser.add_argument("--window-size", type=positive_int, default=DEFAULT_SIZE, metavar="W",
-                        help=f"tokens a window layer attends to, itself included (default: {DEFAULT_SIZE})")
+    parser.add_argument("--window-size", type=window_sizes, default=None, metavar="W[,W]",
+                        help=f"tokens a window layer attends to, itself included (default: {DEFAULT_SIZE}); with "
+                             f"--kv-budget, the sizes it chooses among (default: each of "
+                             f"{', '.join(map(str, BUDGET_WINDOW_SIZES))} below half the budget's measuring context)")
     parser.add_argument("--window-sinks", type=non_negative_int, default=DEFAULT_SINKS, metavar="S",
                         help=f"first tokens of the sequence every window layer keeps (attention sinks; default: "
                              f"{DEFAULT_SINKS})")
@@ -227,6 +230,29 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
                              f"answered: their answer's loss may rise by at most NATS per token over the file "
                              f"without window layers ('off': choose by the loss on text alone; default: "
                              f"{DEFAULT_RETRIEVAL_TOLERANCE:g})")
+
+
+def window_sizes(text: str) -> list[int]:
+    """--window-size: 'W' or 'W,W,...', window sizes of at least one token."""
+    sizes = int_list(text)
+    if 0 in sizes:
+        raise argparse.ArgumentTypeError(f"a window holds at least one token, got '{text}'")
+    return sorted(set(sizes))
+
+
+def one_window_size(value) -> int:
+    """--window-size for --windows: one size (default calibration.windows.DEFAULT_SIZE); several are for
+    --kv-budget to choose among. Takes the parser's list or, from convert.options, an int."""
+    from nbl_gguf.calibration.windows import DEFAULT_SIZE
+
+    if value is None:
+        return DEFAULT_SIZE
+    if isinstance(value, int):
+        return value
+    if len(value) != 1:
+        raise NblError(f"--window-size {','.join(map(str, value))}: --windows takes one window size (several are "
+                       f"for --kv-budget to choose among)")
+    return value[0]
 
 
 def check_selection_text(text: str) -> str:

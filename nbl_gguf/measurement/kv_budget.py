@@ -9,10 +9,12 @@ summary's evaluation never sees (the selection parts), and the lowest mean chang
 file with an F16 cache wins: a quantized cache and replaced layers are traded by what they cost, not by
 a rule.
 
-Where the file can carry window layers (llama, qwen2, qwen3, phi3, smollm3), each cache type also gets
-the fewest window layers of their measured order (calibration.windows) that fit: a window layer keeps its
-attention over the last W tokens and the first few, and its cache stops at the window (so it saves less
-than a replaced layer at short contexts, nearly as much at long ones). Where the window order came from the retrieval walk
+Where the file can carry window layers (llama, qwen2, qwen3, phi3, smollm3), each cache type also gets,
+for each window size W of a small set, the fewest window layers of their measured order
+(calibration.windows) that fit: a window layer keeps its attention over the last W tokens and the first
+few, and its cache stops at the window (so it saves less than a replaced layer at short contexts, nearly
+as much at long ones). A smaller W frees room for more global layers (those that retrieve from far back)
+at the same budget, and costs the window layers their mixing beyond W: measured, not ruled. Where the window order came from the retrieval walk
 (``--window-retrieval``), a candidate that needs more window layers than the walk kept holds layers it
 refused: perplexity cannot see what they cost (recall of a fact beyond the window), so such a candidate
 ranks after every one that holds none, whatever its perplexity. With ``recall_depths``, each candidate
@@ -24,9 +26,8 @@ candidate that finds fewer keys than stock ranks after those that find as many.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from nbl_gguf.errors import NblError
 from nbl_gguf.kv_cache import Context, KvModel, kv_size
@@ -128,11 +129,14 @@ def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int) -> int:
 
 
 def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int], window_order: list[int] | None = None,
-               window: tuple[int, int] | None = None, window_kept: int | None = None) -> list[Candidate]:
+               windows_at: Sequence[tuple[int, int]] = (), window_kept: int | None = None) -> list[Candidate]:
     """Per cache type, the shortest prefix of ``order`` whose cache fits the budget (none where no prefix does);
-    with ``window_order``, also the shortest prefix of it made window layers of ``window`` = (W, sinks)
-    that fits (from one window layer: no window layer is the stock candidate already). ``window_kept``: how
-    many of ``window_order`` the retrieval walk kept (the rest it refused), None where there was no walk."""
+    with ``window_order``, also, for each window ``windows_at`` = [(W, sinks), ...], the shortest prefix of it
+    made window layers of that window that fits (from one window layer: no window layer is the stock
+    candidate already). A smaller window is a candidate only where it needs fewer window layers than every
+    larger one of that cache type: with as many, the larger window attends to more at the same count.
+    ``window_kept``: how many of ``window_order`` the retrieval walk kept (the rest it refused), None where
+    there was no walk."""
     out = []
     for kv_type in KV_TYPES:
         for m in range(len(order) + 1):
@@ -140,12 +144,16 @@ def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int], window
             if size <= budget:
                 out.append(Candidate(kv_type, tuple(sorted(order[:m])), size))
                 break
-        if window_order and kv_bytes(model, n_ctx, kv_type) > budget:
-            for k in range(1, len(window_order) + 1):
+        if not window_order or kv_bytes(model, n_ctx, kv_type) <= budget:
+            continue
+        fewest = len(window_order) + 1  # window layers the larger windows of this type needed
+        for window in sorted(windows_at, reverse=True):
+            for k in range(1, fewest):
                 size = kv_bytes(model, n_ctx, kv_type, windows=window_order[:k], window=window)
                 if size <= budget:
                     refused = () if window_kept is None else tuple(sorted(window_order[window_kept:k]))
                     out.append(Candidate(kv_type, (), size, tuple(sorted(window_order[:k])), window, refused))
+                    fewest = k
                     break
     return out
 
@@ -184,7 +192,8 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
             recall_depths: tuple[float, ...] = ()):
     """(the stock F16 perplexities, a Measured per candidate best first, the passkeys stock found (None without
     ``recall_depths``)). Best first: those that hold no window layer the retrieval walk refused, then those that
-    find as many passkeys as stock, each group by perplexity."""
+    find as many passkeys as stock, each group by perplexity. The passkey test (a few minutes a file at long
+    contexts) is taken in that order until a candidate finds as many keys as stock; the rest keep found None."""
     from nbl_gguf.llamacpp.perplexity import perplexity
     from nbl_gguf.measurement.passkey import longest_prompt, passkey
 
@@ -206,11 +215,17 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
     for candidate, path in files.items():
         ppl = run(path, candidate.kv_type)
         change = sum(100 * (ppl[k] / base[k] - 1) for k in base) / len(base)
-        found = recall(path, candidate.kv_type)
-        keys = f", passkey found {found}/{len(recall_depths)}" if found is not None else ""
         log(f"kv budget: {candidate.label}: {format_mib(candidate.kv_bytes)}, held-out perplexity at {n_ctx} "
-            f"{change:+.2f}%{keys}")
-        measured.append(Measured(candidate, ppl, change, found))
+            f"{change:+.2f}%")
+        measured.append(Measured(candidate, ppl, change))
+    measured.sort(key=lambda r: (bool(r.candidate.refused), r.change_pct, r.candidate.kv_bytes))
+    if stock_found is not None:
+        # in that order until one finds as many keys as stock: it wins, so those after it need no test
+        for r in measured:
+            r.found = recall(files[r.candidate], r.candidate.kv_type)
+            log(f"kv budget: {r.candidate.label}: passkey at {n_ctx} found {r.found}/{len(recall_depths)}")
+            if not r.loses_recall(stock_found):
+                break
     measured.sort(key=lambda r: (bool(r.candidate.refused), r.loses_recall(stock_found), r.change_pct,
                                  r.candidate.kv_bytes))
     return base, measured, stock_found
