@@ -79,7 +79,21 @@ def test_table_changes_and_fronts_by_hand(tmp_path):
     assert cells[1][header.index("run with")] == "-ctk q8_0 -ctv q8_0"
     assert cells[2][header.index("cpu tg d4096")] == "30.0 (1.20x)"
     assert cells[3][header.index("frontier")] == ""
+    # within +10%: ours has nothing (nbl-m4 is +31%); llama.cpp's fastest is stock (50 against q8_0's 48)
+    race = frontier.decode_within(rows, settings)
+    assert race[0] == ("decode at depth 0 (cpu), within +10% of stock's perplexity at 4,096: fastest of ours none; "
+                       "of llama.cpp's own stock, 50.0 t/s (+0.0%)")
+    wider = frontier.decode_within(rows, settings, bar=40.0)  # nbl-m4 inside: 60 against 50 t/s
+    assert wider[1].endswith("fastest of ours nbl-m4, 30.0 t/s (+31.2%); of llama.cpp's own stock, 25.0 t/s (+0.0%): "
+                             "ours 1.20x theirs")
     written = frontier.write_outputs(tmp_path, "t", rows, settings, {}, ["note"], plot_it=True)
+    assert "## Decode within +10%" in (tmp_path / "frontier.md").read_text()
+    # the report written again from results.json alone is the same report
+    first = {name: (tmp_path / name).read_text() for name in ("frontier.md", "frontier.csv", "results.json")}
+    for name in ("frontier.md", "frontier.csv"):
+        (tmp_path / name).unlink()
+    assert main(["bench", "--frontier-report", str(tmp_path), "--no-plot"]) == 0
+    assert {name: (tmp_path / name).read_text() for name in first} == first
     assert [p.name for p in written] == ["frontier.md", "frontier.csv", "results.json", "frontier.png"]
     with open(tmp_path / "frontier.csv", encoding="utf-8") as handle:
         table = list(csv.DictReader(handle))
@@ -106,6 +120,15 @@ def test_frontier_argument_errors(argv, message):
         from nbl_gguf.commands import frontier as command
 
         command.check_arguments(_args(*argv))
+
+
+def test_a_report_without_results_is_named(tmp_path, capsys):
+    assert main(["bench", "--frontier-report", str(tmp_path)]) != 0
+    assert "results.json: not a frontier's results.json ([Errno 2]" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text('{"title": "t"}')
+    assert main(["bench", "--frontier-report", str(tmp_path)]) != 0
+    assert "not a frontier's results.json ('settings')" in capsys.readouterr().err
+    assert not (tmp_path / "frontier.md").exists()
 
 
 def test_unknown_kv_type_is_named():

@@ -279,6 +279,8 @@ def run(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    if args.frontier_report:
+        return frontier.rewrite_report(args)
     if args.frontier:
         return frontier.run_frontier(args)
     frontier.check_arguments(args)

@@ -52,6 +52,9 @@ def add_arguments(group) -> None:
                        help="--frontier: files with N window layers each (convert --m 0 --windows N, the default "
                             "--window-size and --window-sinks) (default: half the layers where the model can carry "
                             "them; 0: none)")
+    group.add_argument("--frontier-report", default=None, metavar="DIR",
+                       help="write the markdown, CSV and plot of a finished frontier again from DIR/results.json, "
+                            "as this version writes them (nothing is measured)")
     group.add_argument("--ppl-chunks", type=_chunks, default=(4, 1), metavar="SHORT,LONG",
                        help="--frontier: perplexity chunks per kind of text at 512 and at the long context "
                             "(default: 4,1)")
@@ -281,6 +284,18 @@ def _with(args, **changes):
 
 
 # --- the command ---------------------------------------------------------------------------------------
+
+def rewrite_report(args) -> int:
+    """--frontier-report DIR: the report of a finished frontier written again from its results.json."""
+    from nbl_gguf.measurement import frontier
+
+    out = Path(args.frontier_report)
+    title, rows, settings, notes, raw = frontier.read_results(out / "results.json")
+    written = frontier.write_outputs(out, title, rows, settings, raw, notes, not args.no_plot)
+    print(frontier.markdown(title, rows, settings, notes))
+    print("written: " + ", ".join(str(p) for p in written))
+    return 0
+
 
 def run_frontier(args) -> int:
     import gguf

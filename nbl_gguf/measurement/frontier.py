@@ -229,6 +229,38 @@ def frontiers(rows: list[Row], settings: FrontierSettings) -> dict[str, list[boo
             "decode": pareto([(l, -r.speed.get(key, 0.0)) for l, r in zip(loss, rows)])}
 
 
+QUALITY_BAR = 10.0  # issue 30's decode race: the fastest point within +10% of stock's long-context perplexity
+
+
+def decode_within(rows: list[Row], settings: FrontierSettings, bar: float = QUALITY_BAR) -> list[str]:
+    """Per backend and decode depth, the fastest of ours and of llama.cpp's own (the stock file and its knobs)
+    among the points within ``bar`` percent of the stock file's long-context perplexity, and which is faster."""
+    reference = rows[0]
+    lines = []
+    for backend in settings.backends:
+        for depth in settings.depths:
+            key = speed_key(backend, "tg", depth)
+            fastest = {}
+            for side, groups in (("ours", (NBL,)), ("llama.cpp's", (STOCK, KNOB))):
+                inside = [r for r in rows if r.variant.group in groups and key in r.speed
+                          and mean_change(r, reference, settings.long_ctx) <= bar]
+                fastest[side] = max(inside, key=lambda r: r.speed[key], default=None)
+
+            def name(row: Row | None) -> str:
+                if row is None:
+                    return "none"
+                return (f"{row.label}, {row.speed[key]:.1f} t/s "
+                        f"({mean_change(row, reference, settings.long_ctx):+.1f}%)")
+
+            ours, theirs = fastest["ours"], fastest["llama.cpp's"]
+            verdict = ("" if ours is None or theirs is None
+                       else f": ours {ours.speed[key] / theirs.speed[key]:.2f}x theirs")
+            lines.append(f"decode at depth {depth:,} ({backend}), within +{bar:g}% of stock's perplexity at "
+                         f"{settings.long_ctx:,}: fastest of ours {name(ours)}; of llama.cpp's own {name(theirs)}"
+                         f"{verdict}")
+    return lines
+
+
 def table(rows: list[Row], settings: FrontierSettings) -> tuple[list[str], list[list[str]]]:
     """The frontier as (header, rows of cells): every number, changes against the stock F16 row."""
     reference = rows[0]
@@ -264,6 +296,7 @@ def markdown(title: str, rows: list[Row], settings: FrontierSettings, notes: lis
     lines = [f"# {title}", ""] + [f"- {note}" for note in notes] + ["", "| " + " | ".join(header) + " |",
                                                                     "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in line) + " |" for line in cells]
+    lines += ["", f"## Decode within +{QUALITY_BAR:g}%", ""] + [f"- {line}" for line in decode_within(rows, settings)]
     return "\n".join(lines) + "\n"
 
 
@@ -342,3 +375,22 @@ def write_outputs(out: Path, title: str, rows: list[Row], settings: FrontierSett
     if plot_it:
         written.append(plot(out / "frontier.png", title, rows, settings))
     return written
+
+
+def read_results(path: Path) -> tuple[str, list[Row], FrontierSettings, list[str], dict]:
+    """A finished frontier's results.json as write_outputs wrote it: (title, rows, settings, notes, the raw
+    rest), for its report to be written again (after a change to the report, with nothing measured)."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+        settings = FrontierSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in record["settings"].items()})
+        rows = [Row(Variant(r["label"], r["group"], Path(r["path"]), r["kv_type"], r.get("made_by", "")),
+                    r["file_bytes"], r["kv_bytes"],
+                    perplexity={int(ctx): kinds for ctx, kinds in r["perplexity"].items()},
+                    tokens={int(ctx): kinds for ctx, kinds in r.get("tokens", {}).items()}, speed=r["speed"])
+                for r in record["rows"]]
+        title, notes = record["title"], record["notes"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise NblError(f"{path}: not a frontier's results.json ({error})") from None
+    known = {"title", "settings", "notes", "rows"}
+    return title, rows, settings, notes, {k: v for k, v in record.items() if k not in known}
+
