@@ -243,7 +243,10 @@ def test_bad_budgets_are_refused_before_any_work(tiny_gguf, tmp_path, capsys):
              (["--kv-budget", "150KiB", "--m", "2"], "the budget chooses m"),
              (["--kv-budget", "150KiB", "--kv-type", "q8_0"], "the budget chooses the KV type"),
              (["--kv-budget", "lots"], "expected a size"),
-             (["--kv-budget-passkey", "off"], "--kv-budget-passkey means nothing without --kv-budget")]
+             (["--kv-budget-passkey", "off"], "--kv-budget-passkey means nothing without --kv-budget"),
+             (["--kv-budget", "150KiB", "--window-size", "64,4096"],
+              "--window-size 4096 with --kv-budget: the candidates are measured at"),
+             (["--windows", "2", "--window-size", "8,16"], "--window-size 8,16: --windows takes one window size")]
     for extra, message in cases:
         assert main(["convert", "--model", str(tiny_gguf), *extra, "-o", str(out)]) == 2
         assert message in capsys.readouterr().err

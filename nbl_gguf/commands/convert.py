@@ -580,6 +580,7 @@ class KvBudget:
     model: object  # kv_cache.KvModel of the stock model
     most_layers: int  # the calibration's m: no cache type needs more layers than this to fit
     eval_ctx: int  # the long context the candidates are measured at
+    window_sizes: tuple[int, ...] = ()  # the window sizes of its window candidates (budget_window_sizes)
 
 
 def check_kv_budget(args, source, n_layer: int) -> KvBudget:
@@ -615,7 +616,8 @@ def check_kv_budget(args, source, n_layer: int) -> KvBudget:
         raise NblError(f"--kv-budget {args.kv_budget} at {n_ctx:,} tokens is met by the stock model as it is "
                        f"({kv_budget.format_mib(kv_budget.kv_bytes(model, n_ctx, 'f16'))} with an F16 cache): "
                        f"nothing to replace")
-    return KvBudget(size, n_ctx, model, most, min(BUDGET_CTX, n_ctx, trained or n_ctx))
+    eval_ctx = min(BUDGET_CTX, n_ctx, trained or n_ctx)
+    return KvBudget(size, n_ctx, model, most, eval_ctx, budget_window_sizes(args, source, eval_ctx))
 
 
 def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer, taps, stock: Path, imatrix,
@@ -631,7 +633,7 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     for m in range(1, budget.most_layers + 1):
         layers = chosen_layers(artifact, layer_choice(args, m), method, n_layer, taps)
         order += sorted(set(layers) - set(order))
-    windows_at = [(size, args.window_sinks) for size in budget_window_sizes(args, source, budget.eval_ctx)]
+    windows_at = [(size, args.window_sinks) for size in budget.window_sizes]
     window_order, window_kept = None, None
     if windows_at:
         # one order, at the largest window (its retrieval walk keeps the most layers); a smaller window's loss of
