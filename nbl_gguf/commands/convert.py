@@ -548,9 +548,9 @@ def budget_window_sizes(args, source, ctx: int) -> tuple[int, ...]:
 
     if args.runtime != "nbl" or source_architecture(source) not in nbl_format.WINDOW_ARCHITECTURES:
         return ()
-    if args.window_size is None:
+    sizes = flags.given_window_sizes(args.window_size)
+    if sizes is None:
         return tuple(size for size in BUDGET_WINDOW_SIZES if ctx > 2 * size)
-    sizes = [args.window_size] if isinstance(args.window_size, int) else list(args.window_size)
     for size in sizes:
         if ctx <= 2 * size:
             raise NblError(f"--window-size {size} with --kv-budget: the candidates are measured at {ctx:,} tokens, "

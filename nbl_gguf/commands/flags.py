@@ -240,19 +240,24 @@ def window_sizes(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
+def given_window_sizes(value) -> list[int] | None:
+    """--window-size as given: the parser's list or, from convert.options, an int, as a list; None when not
+    given."""
+    return None if value is None else [value] if isinstance(value, int) else list(value)
+
+
 def one_window_size(value) -> int:
     """--window-size for --windows: one size (default calibration.windows.DEFAULT_SIZE); several are for
-    --kv-budget to choose among. Takes the parser's list or, from convert.options, an int."""
+    --kv-budget to choose among."""
     from nbl_gguf.calibration.windows import DEFAULT_SIZE
 
-    if value is None:
+    sizes = given_window_sizes(value)
+    if sizes is None:
         return DEFAULT_SIZE
-    if isinstance(value, int):
-        return value
-    if len(value) != 1:
-        raise NblError(f"--window-size {','.join(map(str, value))}: --windows takes one window size (several are "
+    if len(sizes) != 1:
+        raise NblError(f"--window-size {','.join(map(str, sizes))}: --windows takes one window size (several are "
                        f"for --kv-budget to choose among)")
-    return value[0]
+    return sizes[0]
 
 
 def check_selection_text(text: str) -> str:

@@ -285,16 +285,23 @@ def _with(args, **changes):
 
 # --- the command ---------------------------------------------------------------------------------------
 
+def _report(args, out: Path, title: str, rows, settings, raw: dict, notes: list[str]) -> int:
+    """The frontier's markdown, CSV, results.json and plot under ``out``; the markdown on stdout too."""
+    from nbl_gguf.measurement import frontier
+
+    written = frontier.write_outputs(out, title, rows, settings, raw, notes, not args.no_plot)
+    print(frontier.markdown(title, rows, settings, notes))
+    print("written: " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def rewrite_report(args) -> int:
     """--frontier-report DIR: the report of a finished frontier written again from its results.json."""
     from nbl_gguf.measurement import frontier
 
     out = Path(args.frontier_report)
     title, rows, settings, notes, raw = frontier.read_results(out / "results.json")
-    written = frontier.write_outputs(out, title, rows, settings, raw, notes, not args.no_plot)
-    print(frontier.markdown(title, rows, settings, notes))
-    print("written: " + ", ".join(str(p) for p in written))
-    return 0
+    return _report(args, out, title, rows, settings, raw, notes)
 
 
 def run_frontier(args) -> int:
@@ -347,10 +354,7 @@ def run_frontier(args) -> int:
     raw = raw | {"made_by": made, "machine": machine_description(), "elapsed_s": round(elapsed, 1),
                  "making_files_s": round(made_s, 1)}
     title = f"Frontier: {name} against llama.cpp's own knobs"
-    written = frontier.write_outputs(out, title, rows, settings, raw, notes, not args.no_plot)
-    print(frontier.markdown(title, rows, settings, notes))
-    print("written: " + ", ".join(str(p) for p in written))
-    return 0
+    return _report(args, out, title, rows, settings, raw, notes)
 
 
 def _machine_line(machine: dict, devices: list[str]) -> str:
