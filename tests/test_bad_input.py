@@ -380,7 +380,8 @@ def test_bad_input(name, shared, tmp_path):
             code, stderr = run_interrupted(command, folder, case.interrupt)
             # it dies by the signal (a shell shows 128 + N), every time: CPython alone would do so only
             # sometimes after a caught KeyboardInterrupt, and exit 130 the other times
-            assert code == -case.interrupt.signal, f"exit status {code}, not killed by {case.interrupt.signal.name}"
+            assert code == -case.interrupt.signal, \
+                f"exit status {code}, not killed by {case.interrupt.signal.name}; its stderr:\n{stderr}"
             assert "Traceback" not in stderr, stderr
         else:
             completed = subprocess.run(command, cwd=folder, env=environment(), capture_output=True, text=True,

@@ -1,13 +1,16 @@
-"""The command line where its output goes away early: `nbl_gguf inspect FILE | head` ends quietly, with
-SIGPIPE's status (128 + 13) and no traceback, as other command-line tools do. The commands run as a
-user's shell runs them: stdout to a pipe is block-buffered (this environment's PYTHONUNBUFFERED dropped)."""
+"""The command line at its edges. Where its output goes away early: `nbl_gguf inspect FILE | head` ends
+quietly, with SIGPIPE's status (128 + 13) and no traceback, as other command-line tools do. The commands
+run as a user's shell runs them: stdout to a pipe is block-buffered (this environment's PYTHONUNBUFFERED
+dropped). Where a signal lands inside a finalizer: the run still stops."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -53,3 +56,40 @@ def test_a_reader_gone_before_the_last_flush_ends_the_command_quietly(tiny_gguf)
     _, stderr = command.communicate(timeout=120)
     assert stderr == ""
     assert command.returncode == SIGPIPE_STATUS
+
+
+# a command whose run() drops an object whose finalizer gets the signal: CPython prints an exception raised
+# in a finalizer and goes on, as it did with a Ctrl-C during convert's imports (2 runs of 60 finished)
+FINALIZER_COMMAND = textwrap.dedent("""
+    import signal, sys, time, types
+    from nbl_gguf import cli
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(signal.{name})
+            for _ in range(100):  # the handler runs here, inside the finalizer
+                pass
+
+    def run(args):
+        Finalized()
+        for _ in range(500):  # 5 s of work after it
+            time.sleep(0.01)
+        print("ran to the end", flush=True)
+        return 0
+
+    sys.modules["finalizer_command"] = types.SimpleNamespace(add_arguments=lambda parser: None, run=run)
+    cli.COMMANDS["finalizer"] = ("finalizer_command", "drops an object whose finalizer gets the signal")
+    sys.argv = ["nbl_gguf", "finalizer"]
+    cli.program()
+""")
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_that_lands_in_a_finalizer_still_stops_the_run(name):
+    number = getattr(signal, name)
+    completed = subprocess.run([sys.executable, "-c", FINALIZER_COMMAND.format(name=name)], capture_output=True,
+                               text=True, timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert completed.returncode == -number, completed.stdout + completed.stderr
+    assert "ran to the end" not in completed.stdout
+    assert f"nbl_gguf finalizer: interrupted by {name}" in completed.stderr
+    assert "Exception ignored" not in completed.stderr and "Traceback" not in completed.stderr, completed.stderr
