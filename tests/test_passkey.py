@@ -35,7 +35,7 @@ def test_answers_are_scored_on_the_whole_number():
 
 
 @pytest.mark.llama
-def test_the_embedded_model_finds_the_key_and_a_narrow_window_loses_it(tmp_path):
+def test_the_embedded_model_finds_the_key_and_a_narrow_window_loses_it(tmp_path, capfd):
     from nbl_gguf.gguf import nbl_format
     from nbl_gguf.llamacpp import tools as llamacpp
     from nbl_gguf.models import embedded_gguf_path
@@ -43,8 +43,11 @@ def test_the_embedded_model_finds_the_key_and_a_narrow_window_loses_it(tmp_path)
     if not (llamacpp.bin_dir() / "libllama.so").is_file():
         pytest.skip("needs the patched llama.cpp build (scripts/build_llama.sh)")
     stock = embedded_gguf_path()
+    capfd.readouterr()
     result = pk.passkey(stock, lengths=(1024,), depths=(0.2, 0.6), threads=2)
     assert result.accuracy(1024) == 1.0, result.report()
+    # quietly: no model metadata, chat template or timings from llama.cpp (a convert's --kv-budget runs this)
+    assert capfd.readouterr() == ("", "")
     narrow = nbl_format.write_nbl_gguf(stock, tmp_path / "narrow.gguf", nbl_format.NblLayers(
         types=[nbl_format.ATTENTION] * 30, windows=nbl_format.Windows(tuple(range(30)), size=32, sinks=0)))
     lost = pk.passkey(narrow, lengths=(1024,), depths=(0.2, 0.6), threads=2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import os
 import re
 from dataclasses import dataclass
@@ -152,12 +153,20 @@ def _load_logged(path, *, n_ctx: int, n_gpu_layers: int | None, f32_kv: bool, **
         n_gpu_layers = default_gpu_layers()
     if f32_kv:
         kwargs.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
-    with captured_log() as lines:
+    import llama_cpp._logger as default_logger
+
+    # verbose so that llama.cpp logs the load (its KV cache lines) into `lines`; the Python side's own prints
+    # of it (the model's metadata, its chat template) are dropped, and the model runs quietly afterwards:
+    # a convert that took the passkey test printed some 80 lines of them per file
+    with captured_log() as lines, contextlib.redirect_stderr(io.StringIO()):
         try:
             llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, verbose=True, **kwargs)
         except ValueError as error:
             reasons = [line.strip() for line in lines if "error" in line.lower() or "failed" in line.lower()]
             raise NblError(f"llama.cpp could not load {path}: " + " | ".join(reasons or [str(error)])) from error
+        finally:
+            default_logger.set_verbose(False)
+    llm.verbose = False
     return llm, "".join(lines)
 
 
