@@ -21,15 +21,17 @@ from typing import Iterable
 
 from nbl_gguf.architectures import ARCHITECTURES
 from nbl_gguf.errors import NblError
+from nbl_gguf.llamacpp.cache_types import CACHE_TYPES, split_cache_type
 from nbl_gguf.models import ADAPTERS
 
 CELL_PADDING = 256  # llama.cpp pads the context, and the sliding-window cache, to a multiple of 256
-# the cache types llama.cpp accepts (-ctk/-ctv): values per block and bytes per block
-CACHE_TYPES = {
-    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
-    "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "iq4_nl": (32, 18),
-}
 GLOBAL, SLIDING = "global", "sliding"
+
+
+def cache_context(n_ctx: int, kv_type: str, **settings) -> "Context":
+    """The Context of llama-cli's settings (or ``settings``) with the cache type ``kv_type``."""
+    k, v = split_cache_type(kv_type)
+    return Context(n_ctx=n_ctx, type_k=k, type_v=v, **settings)
 
 
 @dataclass(frozen=True)

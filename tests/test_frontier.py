@@ -137,6 +137,9 @@ def test_unknown_kv_type_is_named():
     with pytest.raises(NblError, match="unknown KV cache type 'q3_0'"):
         command.kv_types("q8_0,q3_0")
     assert command.kv_types("f16,q8_0,q8_0") == ["q8_0"]
+    assert command.kv_types("q8_0/q4_0, q4_0") == ["q8_0/q4_0", "q4_0"]
+    with pytest.raises(NblError, match="--nbl-kv-types: unknown KV cache type 'q8_0/q3'"):
+        command.kv_types("q8_0/q3", "--nbl-kv-types")
 
 
 @pytest.mark.llama
@@ -155,11 +158,11 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     out, work = tmp_path / "results", tmp_path / "work"
     assert main(["bench", "--frontier", "--model", str(source), "--m", "1,2", "--calib-nsamples", "8",
                  "--calib-seqlen", "64", "--ppl-chunks", "1,1", "-p", "16", "-n", "4", "-d", "0,64", "-r", "1", "-t", "1",
-                 "--kv-types", "q8_0", "--frontier-windows", "1", "--work-dir", str(work), "-o", str(out)]) == 0
+                 "--kv-types", "q8_0/q4_0", "--nbl-kv-types", "q8_0", "--frontier-windows", "1", "--work-dir", str(work), "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((out / "results.json").read_text())
     labels = [r["label"] for r in result["rows"]]
-    assert labels == ["stock", "stock kv q8_0", "stock Q8_0", "stock prune 1 blocks",
+    assert labels == ["stock", "stock kv q8_0/q4_0", "stock Q8_0", "stock prune 1 blocks",
                       "nbl-m1 taps4", "nbl-m1 taps4 kv q8_0", "nbl-m2 taps4", "nbl-m2 taps4 kv q8_0",
                       "nbl-m1 per-token", "nbl-m1 per-token kv q8_0", "nbl-m2 per-token", "nbl-m2 per-token kv q8_0",
                       "windows 1", "windows 1 kv q8_0"]
@@ -176,8 +179,10 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
         expected = frontier.kv_bytes(Path(row["path"]), row["kv_type"], 2020) / 2 ** 20
         caches = 2 if row["label"].startswith("windows") else 1
         assert records[0]["kv_mib"] == pytest.approx(expected, abs=0.011 * caches), row["label"]
-    # a quantized cache is half the F16 one or less; the file without attention in 2 layers, half the stock's
-    assert rows["stock kv q8_0"]["kv_bytes"] < 0.54 * rows["stock"]["kv_bytes"]
+    # K in q8_0 and V in q4_0: (34 + 18) / 2 bytes a block of 32 values against 64 in F16; the file without
+    # attention in 2 layers, half the stock's
+    assert rows["stock kv q8_0/q4_0"]["kv_bytes"] < 0.41 * rows["stock"]["kv_bytes"]
+    assert rows["nbl-m2 taps4 kv q8_0"]["kv_bytes"] < 0.54 * rows["nbl-m2 taps4"]["kv_bytes"]
     assert rows["nbl-m2 taps4"]["kv_bytes"] == rows["stock"]["kv_bytes"] // 2
     # one of 4 layers keeps 512 + 4 sinks (+ a ubatch) cells of the 2048: less than stock, more than 3 layers' worth
     assert 3 * rows["stock"]["kv_bytes"] // 4 < rows["windows 1"]["kv_bytes"] < rows["stock"]["kv_bytes"]

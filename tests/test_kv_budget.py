@@ -11,6 +11,7 @@ import pytest
 from nbl_gguf.cli import main
 from nbl_gguf.errors import NblError
 from nbl_gguf.kv_cache import KvLayer, KvModel
+from nbl_gguf.llamacpp.cache_types import cache_type_flags
 from nbl_gguf.measurement import kv_budget
 
 
@@ -90,7 +91,8 @@ def test_a_smaller_window_is_a_candidate_where_it_needs_fewer_window_layers():
     a global layer holds the context, a window layer pad256(W + sinks + 512) cells, 2 x 128 values a cell."""
     model = KvModel(layers=tuple(KvLayer(128, 128) for _ in range(24)))
     n_ctx, budget, window_order = 32768, int(38.4 * 2 ** 20), list(range(24))
-    cell_bytes = {"f16": 2 * 128 * 2, "q8_0": 2 * 128 // 32 * 34, "q4_0": 2 * 128 // 32 * 18}
+    cell_bytes = {"f16": 2 * 128 * 2, "q8_0": 2 * 128 // 32 * 34, "q8_0/q4_0": 128 // 32 * (34 + 18),
+                  "q4_0": 2 * 128 // 32 * 18}
 
     def by_hand(kv_type, k, size):
         cells = -(-(size + 4 + 512) // 256) * 256
@@ -109,6 +111,8 @@ def test_a_smaller_window_is_a_candidate_where_it_needs_fewer_window_layers():
     counts = {(kv_type, size): k for kv_type, size, k, _ in expected}
     assert counts[("q8_0", 512)] == 21 and counts[("q8_0", 128)] == 20
     assert counts[("f16", 512)] == 23 and ("f16", 128) not in counts
+    # V in q4_0 frees room for two more global layers than q8_0 (19 window layers at W = 512)
+    assert counts[("q8_0/q4_0", 512)] == 19 and ("q8_0/q4_0", 128) not in counts
     assert any("window layers (W = 128)" in c.label for c in found)
 
 
@@ -203,6 +207,28 @@ def test_candidates_that_find_fewer_passkeys_than_stock_rank_after_those_that_fi
     assert measured[0].found == 3 and all(r.found is None for r in measured[1:-1])
 
 
+def test_when_every_candidate_loses_recall_the_one_that_finds_most_keys_wins(monkeypatch):
+    """Qwen at 10% of its cache at 32K: the best by perplexity found 1 key in 5, a slightly worse one 4."""
+    from nbl_gguf.llamacpp import perplexity as llama_perplexity
+    from nbl_gguf.measurement import passkey as passkey_module
+
+    model = KvModel(layers=tuple(KvLayer(w, w) for w in (256, 64, 256, 64, 128)))
+    found = kv_budget.candidates(model, 32768, 40 * 10 ** 6, [3, 1, 4, 0], [2, 0, 4, 1, 3], [(512, 4)])
+    paths = {c: f"c{i}" for i, c in enumerate(found)}
+    change = {"stock": 0.0} | {path: 1.0 + i for i, path in enumerate(paths.values())}
+    keys = {"stock": 5} | {path: (1 if path == "c0" else 4 if path == "c2" else 2) for path in paths.values()}
+    monkeypatch.setattr(llama_perplexity, "perplexity",
+                        lambda path, text, **_: type("P", (), {"ppl": 10.0 * (1 + change[path] / 100)})())
+    monkeypatch.setattr(passkey_module, "passkey", lambda path, lengths, depths, **_: passkey_module.PasskeyResult(
+        [passkey_module.Trial(lengths[0], d, 1, 10, "1" if i < keys[path] else "x") for i, d in enumerate(depths)]))
+    _, measured, stock_found = kv_budget.measure("stock", paths, {"c4": "t"}, 4096, 1, 1, log=lambda *_: None,
+                                                 recall_depths=(0.1, 0.3, 0.5, 0.7, 0.9))
+    assert stock_found == 5 and all(r.loses_recall(stock_found) for r in measured)
+    assert paths[measured[0].candidate] == "c2" and measured[0].found == 4
+    rest = [paths[r.candidate] for r in measured[1:]]
+    assert rest[-1] == "c0" and rest[:-1] == sorted(rest[:-1], key=lambda p: int(p[1:]))
+
+
 def test_the_window_walk_goes_as_far_as_the_budget_needs():
     """kv_budget.windows_needed: for layers with alike caches, the most window layers any cache type's
     candidate takes (the retrieval walk stops there, not at every layer)."""
@@ -262,7 +288,7 @@ def test_convert_meets_the_budget_as_llama_cpp_allocates_it(tiny_gguf, tmp_path,
 
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out.gguf"
-    # F16 needs 3 layers replaced (128 KiB), q8_0 2 (136 KiB), q4_0 none (144 KiB)
+    # F16 needs 3 layers replaced (128 KiB), q8_0 2 (136 KiB), q8_0 K with q4_0 V 2 (104 KiB), q4_0 none (144 KiB)
     budget = 150 << 10
     # no passkey test: a random model finds no key (and its byte tokens run past the answer's length)
     assert main(["convert", "--model", str(tiny_gguf), "--kv-budget", "150KiB", "--kv-budget-passkey", "off",
@@ -271,7 +297,7 @@ def test_convert_meets_the_budget_as_llama_cpp_allocates_it(tiny_gguf, tmp_path,
     assert "KV budget 150.00 KiB at 1,024 tokens" in printed
     lines = [line for line in printed.splitlines() if line.startswith("    NBL m = ") or line.startswith("    stock, KV")]
     labels = {line.split("  KV ")[0].strip() for line in lines}
-    assert labels == {"NBL m = 3, KV f16", "NBL m = 2, KV q8_0", "stock, KV q4_0"}
+    assert labels == {"NBL m = 3, KV f16", "NBL m = 2, KV q8_0", "NBL m = 2, KV q8_0/q4_0", "stock, KV q4_0"}
     chosen = next(line for line in lines if line.endswith("<- chosen"))
     m, kv_type = int(chosen.split("m = ")[1].split(",")[0]) if "NBL" in chosen else 0, chosen.split("KV ")[1].split()[0]
     types = file_layer_types(gguf.GGUFReader(out)) or [0] * 4
@@ -279,7 +305,7 @@ def test_convert_meets_the_budget_as_llama_cpp_allocates_it(tiny_gguf, tmp_path,
     if m == 0:
         assert out.read_bytes() == tiny_gguf.read_bytes()
     else:
-        assert f"-ctk {kv_type}" in printed or kv_type == "f16"
+        assert " ".join(cache_type_flags(kv_type)) in printed
     # what llama.cpp allocates for the output at 1,024 tokens with the chosen cache type
     records, _ = run_llama_bench(out, n_prompt=16, n_gen=8, depth=1000, repetitions=1, threads=1, backend="cpu",
                                  cache_type=kv_type)
@@ -328,6 +354,8 @@ def test_the_summary_gives_kv_and_run_flags_at_the_kv_type(tmp_path):
     assert "KV cache at 4,096 tokens (Q8_0)" in table
     assert f"run with: llama-cli -m {tmp_path / 'o.gguf'} -ctk q8_0 -ctv q8_0" in table
     assert "run with" not in Summary(**{**summary.__dict__, "kv_type": "f16"}).table()
+    split = Summary(**{**summary.__dict__, "kv_type": "q8_0/q4_0"}).table()
+    assert f"-ctk q8_0 -ctv q4_0 (llama-cpp-python: type_k = GGML_TYPE_Q8_0, type_v = GGML_TYPE_Q4_0)" in split
 
 
 def test_the_summary_gives_each_candidates_passkeys_and_warns_when_the_chosen_one_lost_some(tmp_path):

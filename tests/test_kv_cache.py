@@ -11,7 +11,8 @@ import pytest
 
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf import nbl_format
-from nbl_gguf.kv_cache import Context, KvLayer, KvModel, cache_cells, kv_size
+from nbl_gguf.kv_cache import Context, KvLayer, KvModel, cache_cells, cache_context, kv_size
+from nbl_gguf.llamacpp.cache_types import cache_type_flags, split_cache_type
 
 A, L, D = nbl_format.ATTENTION, nbl_format.LINEAR, nbl_format.DROPPED
 MIB = 1024 * 1024
@@ -160,6 +161,19 @@ def test_cells_follow_llama_cpp_rules():
     assert kv_size(plain, Context(n_ctx=256, type_k="q8_0")).caches["global"].k_bytes == 256 * 256 // 32 * 34
 
 
+def test_a_cache_type_names_k_and_v_or_both():
+    assert split_cache_type("q8_0") == ("q8_0", "q8_0")
+    assert split_cache_type("Q8_0/q4_0") == ("q8_0", "q4_0")
+    assert cache_type_flags("f16") == [] and cache_type_flags("f16/f16") == []
+    assert cache_type_flags("q8_0/q4_0") == ["-ctk", "q8_0", "-ctv", "q4_0"]
+    assert cache_type_flags("q4_0") == ["-ctk", "q4_0", "-ctv", "q4_0"]
+    split = kv_size(KvModel(layers=(KvLayer(64, 64),)), cache_context(256, "q8_0/q4_0")).caches["global"]
+    assert (split.k_bytes, split.v_bytes) == (256 * 64 // 32 * 34, 256 * 64 // 32 * 18)
+    for bad in ("q3", "q8_0/q3", "q8_0/", "q8_0/q4_0/f16"):
+        with pytest.raises(NblError, match="unknown KV cache type"):
+            split_cache_type(bad)
+
+
 def test_bad_settings_are_named():
     plain = KvModel(layers=(KvLayer(48, 48),))
     with pytest.raises(NblError, match="unknown KV cache type 'q3'"):
@@ -190,10 +204,12 @@ MODELS = {
     "gemma2": ("gemma2", 8, None, {1: L, 2: L}),
 }
 # llama-cli's settings at two contexts, then what else moves the cells: --swa-full, llama-server's
-# 4 sequences in a unified cache, 2 sequences apart, a batch under the micro-batch, -fa off
+# 4 sequences in a unified cache, 2 sequences apart, a batch under the micro-batch, -fa off, K and V of
+# different types (-ctk q8_0 -ctv q4_0)
 SETTINGS = [dict(n_ctx=4096), dict(n_ctx=1000), dict(n_ctx=8192), dict(n_ctx=4096, swa_full=True),
             dict(n_ctx=4096, n_seq_max=4, kv_unified=True), dict(n_ctx=4096, n_seq_max=2),
-            dict(n_ctx=4096, n_batch=256), dict(n_ctx=2048, flash_attn=False)]
+            dict(n_ctx=4096, n_batch=256), dict(n_ctx=2048, flash_attn=False),
+            dict(n_ctx=4096, type_k="q8_0", type_v="q4_0")]
 
 
 def write_model(path: Path, arch: str, n_layer: int, window: int | None, seed: int = 0) -> Path:

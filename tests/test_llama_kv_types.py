@@ -1,4 +1,4 @@
-"""llama.cpp's quantized KV cache (-ctk/-ctv q8_0, q4_0) with NBL and taps layers: the logits of each file
+"""llama.cpp's quantized KV cache (-ctk/-ctv q8_0, q4_0, and K in q8_0 with V in q4_0) with NBL and taps layers: the logits of each file
 with a quantized cache against the same file with an F16 cache move no more than the stock file's do (its
 own KV-quantization error), a prompt then token-by-token decoding, so that `convert --kv-type` and the
 frontier's KV rows run what they promise. The F16-cache logits themselves are held to PyTorch by
@@ -46,7 +46,7 @@ def logits(path, tokens, kv_type: str) -> np.ndarray:
         context.close()
 
 
-@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0", "q8_0/q4_0"])
 def test_quantized_kv_moves_nbl_and_taps_logits_no_more_than_stock(files, kv_type):
     paths, tokens = files
     error = {}

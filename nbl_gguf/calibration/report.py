@@ -11,12 +11,12 @@ def kv_report(config, selection: dict, n_ctx: int | None, kv_type: str = "f16") 
     """The KV cache llama.cpp allocates at ``n_ctx`` (default: the training context) for the model
     as it is and with the chosen layers replaced, and for each set that `best` compared: a
     sliding-window layer frees only its window's cells, a global one a cache as long as the context."""
-    from nbl_gguf.kv_cache import Context, kv_size, model_from_config, training_context_from_config
+    from nbl_gguf.kv_cache import cache_context, kv_size, model_from_config, training_context_from_config
 
     if n_ctx is None:
         n_ctx = training_context_from_config(config) or DEFAULT_KV_CTX
     model = model_from_config(config)
-    context = Context(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type)
+    context = cache_context(n_ctx, kv_type)
 
     def size(layers) -> dict:
         kv = kv_size(model.without(layers), context)

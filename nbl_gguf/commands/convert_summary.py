@@ -8,6 +8,7 @@ from pathlib import Path
 
 from nbl_gguf.calibration.dataset import KINDS
 from nbl_gguf.gguf.from_artifact import RUNTIMES
+from nbl_gguf.llamacpp.cache_types import cache_type_flags, split_cache_type
 
 
 @dataclass
@@ -89,9 +90,9 @@ class Summary:
         lines.append(f"  output: {self.output}")
         if self.kv_type != "f16":
             # llama.cpp cannot read a cache type from the file: the user passes it each run
-            flags = f"-ctk {self.kv_type} -ctv {self.kv_type}"
-            lines.append(f"  run with: llama-cli -m {self.output} {flags} (llama-cpp-python: type_k, type_v = "
-                         f"GGML_TYPE_{self.kv_type.upper()})")
+            type_k, type_v = split_cache_type(self.kv_type)
+            lines.append(f"  run with: llama-cli -m {self.output} {' '.join(cache_type_flags(self.kv_type))} "
+                         f"(llama-cpp-python: type_k = GGML_TYPE_{type_k.upper()}, type_v = GGML_TYPE_{type_v.upper()})")
         return "\n".join(lines)
 
 

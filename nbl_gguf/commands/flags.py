@@ -148,7 +148,7 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
                              "allocates it (default: the model's training context, llama-cli's default)")
     parser.add_argument("--kv-type", type=kv_type, default="f16", metavar="TYPE",
                         help="the KV cache type the file will run with (llama.cpp's -ctk/-ctv): f16 (default, as "
-                             "llama.cpp), q8_0 or q4_0; the KV figures are given at it")
+                             "llama.cpp), q8_0, q4_0, or K's/V's as q8_0/q4_0; the KV figures are given at it")
 
 
 

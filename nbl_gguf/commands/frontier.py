@@ -3,16 +3,20 @@ measured side by side (the measurement, tables and plot: nbl_gguf.measurement.fr
 
 The variants, each with an F16 KV cache unless named:
 - stock: the file at its type (a GGUF --model as given; a HF folder converted and quantized to --quant),
-  and with KV q8_0 and q4_0 (--kv-types);
+  and with each of llama.cpp's KV cache types of --kv-types (default q8_0, K q8_0 with V q4_0, q4_0);
 - llama.cpp's weight-type knob: one step down the ladder of llama-quantize types and, where the source
   has the bits for it (a HF folder or a float GGUF), one step up;
 - llama.cpp's layer pruning: `llama-quantize --prune-layers` of the N blocks ShortGPT's block influence
   (1 - cos of a block's input and output, recorded by the calibration) ranks least important;
 - ours: `convert` at each --m with past-token maps and with per-token maps (each kind of map with its own
-  calibration, whose measured selection holds for its maps only), each also with KV q8_0 and q4_0;
+  calibration, whose measured selection holds for its maps only), each also with the KV types of
+  --nbl-kv-types (default q8_0 and q4_0);
 - ours, window layers: `convert --m 0 --windows N` for each --frontier-windows N (default: half the layers,
   where the patched llama.cpp runs window layers for the architecture and the training context is above
   twice the window), each also with those KV types.
+
+Every variant with a quantized cache costs two to four times an F16 one on a CPU (llama.cpp's CPU flash
+attention has a tiled path for F16 K and V only), so the KV type lists are what sets the frontier's time.
 """
 
 from __future__ import annotations
@@ -27,19 +31,25 @@ from nbl_gguf.commands import flags
 from nbl_gguf.errors import NblError
 
 DEFAULT_M = (4, 8, 12)
-DEFAULT_KV_TYPES = ("q8_0", "q4_0")
+DEFAULT_KV_TYPES = ("q8_0", "q8_0/q4_0", "q4_0")  # the stock file's: llama.cpp's own knobs
+DEFAULT_NBL_KV_TYPES = ("q8_0", "q4_0")  # ours
 LONG_CTX = 4096
 FRONTIER_DEPTHS = (0, 4096)
 
 
 def add_arguments(group) -> None:
     group.add_argument("--frontier", action="store_true",
-                       help="the frontier of one --model against llama.cpp's own knobs: stock with KV q8_0/q4_0, a "
-                            "weight type down and up, --prune-layers, NBL files at each --m (default 4,8,12) with "
-                            "past-token and per-token maps, each with those KV types; held-out perplexity at 512 "
+                       help="the frontier of one --model against llama.cpp's own knobs: stock with quantized KV "
+                            "caches (--kv-types), a weight type down and up, --prune-layers, NBL files at each --m "
+                            "(default 4,8,12) with past-token and per-token maps and window files, each with the "
+                            "--nbl-kv-types; held-out perplexity at 512 "
                             "and a long context, KV bytes, llama-bench; markdown, CSV and a plot under -o")
     group.add_argument("--kv-types", default=",".join(DEFAULT_KV_TYPES),
-                       help=f"--frontier: KV cache types besides f16 (default: {','.join(DEFAULT_KV_TYPES)})")
+                       help=f"--frontier: the stock file's KV cache types besides f16, K's/V's for a pair "
+                            f"(default: {','.join(DEFAULT_KV_TYPES)})")
+    group.add_argument("--nbl-kv-types", default=",".join(DEFAULT_NBL_KV_TYPES),
+                       help=f"--frontier: our files' KV cache types besides f16 (default: "
+                            f"{','.join(DEFAULT_NBL_KV_TYPES)}; '' for none)")
     group.add_argument("--prune-blocks", type=int, default=None, metavar="N",
                        help="--frontier: blocks that the --prune-layers baseline removes (default: the smallest --m; "
                             "0: none)")
@@ -75,7 +85,8 @@ def check_arguments(args) -> None:
     """What --frontier takes and refuses, before any work."""
     if not args.frontier:
         for name, default in (("prune_blocks", None), ("long_ctx", None), ("ctx_size", None), ("ppl_chunks", (4, 1)),
-                              ("kv_types", ",".join(DEFAULT_KV_TYPES)), ("frontier_windows", None)):
+                              ("kv_types", ",".join(DEFAULT_KV_TYPES)), ("frontier_windows", None),
+                              ("nbl_kv_types", ",".join(DEFAULT_NBL_KV_TYPES))):
             if getattr(args, name) != default:
                 raise NblError(f"--{name.replace('_', '-')} means nothing without --frontier")
         return
@@ -91,13 +102,15 @@ def check_arguments(args) -> None:
         raise NblError("--frontier measures one model: give --model (a HF folder, a hub id, 'embedded' or a GGUF file)")
 
 
-def kv_types(text: str) -> list[str]:
-    from nbl_gguf.kv_cache import CACHE_TYPES
+def kv_types(text: str, flag: str = "--kv-types") -> list[str]:
+    from nbl_gguf.llamacpp.cache_types import split_cache_type
 
     types = [t.strip().lower() for t in text.split(",") if t.strip()]
     for t in types:
-        if t not in CACHE_TYPES:
-            raise NblError(f"--kv-types: unknown KV cache type '{t}' (use {', '.join(CACHE_TYPES)})")
+        try:
+            split_cache_type(t)
+        except NblError as error:
+            raise NblError(f"{flag}: {error}") from None
     return [t for t in dict.fromkeys(types) if t != "f16"]
 
 
@@ -189,7 +202,7 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
     from nbl_gguf.model_source import is_gguf_file
     from nbl_gguf.models import resolve_device
 
-    extra_kv = kv_types(args.kv_types)
+    extra_kv, nbl_kv = kv_types(args.kv_types), kv_types(args.nbl_kv_types, "--nbl-kv-types")
     side = gguf_side(args, log) if is_gguf_file(args.model) else hf_side(args, log)
     name, n_layer, directory, stock, made, notes = (side.name, side.n_layer, side.directory, side.stock,
                                                     list(side.made), list(side.notes))
@@ -226,7 +239,7 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
             label = f"nbl-m{m}" + (f" taps{k}" if k > 1 else " per-token")
             command = next(c for c in commands if f" --m {m} " in c)
             variants.append(Variant(label, NBL, candidate.path, made_by=command))
-            variants += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=command) for t in extra_kv]
+            variants += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=command) for t in nbl_kv]
 
     for count in window_counts(args, side):
         (directory / f"windows{count}").mkdir(exist_ok=True)
@@ -237,7 +250,7 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
         made += commands
         label = f"windows {count}"
         variants.append(Variant(label, NBL, candidate.path, made_by=commands[0]))
-        variants += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=commands[0]) for t in extra_kv]
+        variants += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=commands[0]) for t in nbl_kv]
 
     if prune:
         influence = load_artifact(calibrations[taps_list[0]]).block_influence()
@@ -319,6 +332,7 @@ def run_frontier(args) -> int:
 
     check_arguments(args)
     kv_types(args.kv_types)
+    kv_types(args.nbl_kv_types, "--nbl-kv-types")
     out = check_output_dir(args.output, "-o")
     backends, devices = resolve_backends(args.backends)
     started = time.monotonic()

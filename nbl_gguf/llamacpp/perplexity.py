@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from nbl_gguf.errors import NblError
+from nbl_gguf.llamacpp.cache_types import cache_type_flags
 
 DEFAULT_CTX = 512
 FLOAT = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|-?inf)"  # a number as llama.cpp prints it
@@ -88,8 +89,7 @@ def perplexity(model, text_file, *, n_ctx: int = DEFAULT_CTX, chunks: int | None
                threads: int | None = None, cache_type: str = "f16") -> Perplexity:
     """``cache_type``: the KV cache's (-ctk/-ctv), llama.cpp's F16 by default."""
     args = ["-f", str(text_file), "-c", str(n_ctx), "--ppl-output-type", "1"]
-    if cache_type != "f16":
-        args += ["-ctk", cache_type, "-ctv", cache_type]
+    args += cache_type_flags(cache_type)
     if chunks:
         args += ["--chunks", str(chunks)]
     if batch:

@@ -46,7 +46,9 @@ def neighbour_types(file_type: str) -> tuple[str | None, str | None]:
 
 def kv_flags(kv_type: str) -> list[str]:
     """The llama.cpp flags that give the cache this type (none for its default, F16)."""
-    return [] if kv_type == "f16" else ["-ctk", kv_type, "-ctv", kv_type]
+    from nbl_gguf.llamacpp.cache_types import cache_type_flags
+
+    return cache_type_flags(kv_type)
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,10 @@ def kv_bytes(path: Path, kv_type: str, n_ctx: int) -> int:
     import gguf
 
     from nbl_gguf.gguf.metadata import kv_sizes
+    from nbl_gguf.llamacpp.cache_types import split_cache_type
 
-    _, size = kv_sizes(gguf.GGUFReader(path), n_ctx, type_k=kv_type, type_v=kv_type)
+    type_k, type_v = split_cache_type(kv_type)
+    _, size = kv_sizes(gguf.GGUFReader(path), n_ctx, type_k=type_k, type_v=type_v)
     return size.bytes
 
 

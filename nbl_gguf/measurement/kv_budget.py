@@ -1,7 +1,7 @@
 """`convert --kv-budget SIZE`: the KV cache type and the number of replaced layers that fit a KV budget at
 a context (``--ctx-size``) with the least measured loss.
 
-For each KV cache type llama.cpp runs (f16, q8_0, q4_0) the fewest layers of the calibration's own order
+For each KV cache type llama.cpp runs (f16, q8_0, q8_0 K with q4_0 V, q4_0) the fewest layers of the calibration's own order
 that bring the cache, as llama.cpp allocates it, within the budget make one candidate; m = 0 is the stock
 file with that cache type, llama.cpp's own answer to the same budget. Each candidate file is measured by
 llama-perplexity with its cache type at a long context on held-out text of the three kinds that the
@@ -20,7 +20,8 @@ refused: perplexity cannot see what they cost (recall of a fact beyond the windo
 ranks after every one that holds none, whatever its perplexity. With ``recall_depths``, each candidate
 and the stock file also take the passkey test (measurement.passkey) at the measurement's context through
 llama.cpp with the candidate's own cache type, which the walk (PyTorch, no quantized cache) cannot see; a
-candidate that finds fewer keys than stock ranks after those that find as many.
+candidate that finds fewer keys than stock ranks after those that find as many, and among those that find
+fewer, one that finds more ranks first.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.kv_cache import Context, KvModel, kv_size
+from nbl_gguf.kv_cache import KvModel, cache_context, kv_size
 
-KV_TYPES = ("f16", "q8_0", "q4_0")
+# largest first; K in q8_0 with V in q4_0 holds where a q4_0 K breaks a model (Qwen2.5: +515% perplexity)
+KV_TYPES = ("f16", "q8_0", "q8_0/q4_0", "q4_0")
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.I)
 
 
@@ -77,7 +79,7 @@ def kv_bytes(model: KvModel, n_ctx: int, kv_type: str, replaced=(), windows=(), 
     """The cache at ``n_ctx`` with the ``replaced`` layers gone and the ``windows`` layers kept over a
     window of ``window`` = (W, sinks) tokens."""
     return kv_size(windowed(model.without(replaced), windows, window),
-                   Context(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type)).bytes
+                   cache_context(n_ctx, kv_type)).bytes
 
 
 def windowed(model: KvModel, windows, window) -> KvModel:
@@ -99,7 +101,7 @@ def most_layers_needed(model: KvModel, n_ctx: int, budget: int, max_m: int) -> i
     even the smallest cache type with ``max_m`` layers replaced misses it. Sizes the calibration before
     its order is known."""
     for kv_type in KV_TYPES:
-        per_layer = kv_size(model, Context(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type)).per_layer
+        per_layer = kv_size(model, cache_context(n_ctx, kv_type)).per_layer
         smallest_first = sorted(range(len(per_layer)), key=lambda i: per_layer[i])
         for m in range(max_m + 1):
             if kv_bytes(model, n_ctx, kv_type, smallest_first[:m]) <= budget:
@@ -110,7 +112,7 @@ def most_layers_needed(model: KvModel, n_ctx: int, budget: int, max_m: int) -> i
 def smallest_reachable(model: KvModel, n_ctx: int, max_m: int) -> int:
     """The smallest cache any choice can reach: the smallest type with the ``max_m`` largest caches gone."""
     kv_type = KV_TYPES[-1]
-    per_layer = kv_size(model, Context(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type)).per_layer
+    per_layer = kv_size(model, cache_context(n_ctx, kv_type)).per_layer
     largest_first = sorted(range(len(per_layer)), key=lambda i: -per_layer[i])
     return kv_bytes(model, n_ctx, kv_type, largest_first[:max_m])
 
@@ -192,7 +194,8 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
             recall_depths: tuple[float, ...] = ()):
     """(the stock F16 perplexities, a Measured per candidate best first, the passkeys stock found (None without
     ``recall_depths``)). Best first: those that hold no window layer the retrieval walk refused, then those that
-    find as many passkeys as stock, each group by perplexity. The passkey test (a few minutes a file at long
+    find as many passkeys as stock, each group by perplexity (those that find fewer: by the keys they find
+    first). The passkey test (a few minutes a file at long
     contexts) is taken in that order until a candidate finds as many keys as stock; the rest keep found None."""
     from nbl_gguf.llamacpp.perplexity import perplexity
     from nbl_gguf.measurement.passkey import longest_prompt, passkey
@@ -226,6 +229,8 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
             log(f"kv budget: {r.candidate.label}: passkey at {n_ctx} found {r.found}/{len(recall_depths)}")
             if not r.loses_recall(stock_found):
                 break
-    measured.sort(key=lambda r: (bool(r.candidate.refused), r.loses_recall(stock_found), r.change_pct,
-                                 r.candidate.kv_bytes))
+    # those that lose recall by the keys they still find (when none keeps them all, the file that nearly
+    # does beats a lower perplexity that misses most), then by perplexity
+    measured.sort(key=lambda r: (bool(r.candidate.refused), r.loses_recall(stock_found),
+                                 -r.found if r.loses_recall(stock_found) else 0, r.change_pct, r.candidate.kv_bytes))
     return base, measured, stock_found

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from nbl_gguf.errors import NblError
+from nbl_gguf.llamacpp.cache_types import cache_type_flags
 
 T = TypeVar("T")
 
@@ -99,8 +100,7 @@ def run_llama_bench(model: Path, *, n_prompt: int, n_gen: int, depth: int, repet
 
     args = ["-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-d", str(depth), "-r", str(repetitions),
             "-t", str(threads), "-o", "json", "-v", *backend_args(backend)]
-    if cache_type != "f16":
-        args += ["-ctk", cache_type, "-ctv", cache_type]
+    args += cache_type_flags(cache_type)
     args += list(extra)
     completed = run_tool("llama-bench", args)
     records = parse_bench_json(completed.stdout)

@@ -40,10 +40,13 @@ KV_TYPE_BYTES = {
 
 
 def kv_type_bytes(kv_type: str) -> float:
+    """Bytes per cached element; for K's and V's types ('q8_0/q4_0') their mean (K and V rows alike wide)."""
     try:
-        return KV_TYPE_BYTES[kv_type.lower()]
+        k, _, v = kv_type.lower().partition("/")
+        return (KV_TYPE_BYTES[k] + KV_TYPE_BYTES[v or k]) / 2
     except KeyError:
-        raise NblError(f"unknown KV cache type '{kv_type}' (use one of {', '.join(KV_TYPE_BYTES)})") from None
+        raise NblError(f"unknown KV cache type '{kv_type}' (use one of {', '.join(KV_TYPE_BYTES)}, "
+                       f"or K's/V's such as q8_0/q4_0)") from None
 
 
 @dataclass(frozen=True)
