@@ -242,8 +242,10 @@ def test_argument_errors():
         bench.apply_presets(_args(shape="llama-3.2-1b", model="embedded"))
     with pytest.raises(NblError, match="both --baseline"):
         bench.apply_presets(_args(baseline="x.gguf"))
-    with pytest.raises(NblError, match="KV cache type"):
+    with pytest.raises(NblError, match="--cache-type q3: unknown KV cache type 'q3'"):
         bench.apply_presets(_args(shape="llama-3.2-1b", cache_type="q3"))
+    with pytest.raises(NblError, match="--cache-type q8_0/q3: unknown KV cache type"):
+        bench.apply_presets(_args(shape="llama-3.2-1b", cache_type="q8_0/q3"))
     quick = _args(quick=True)
     bench.apply_presets(quick)
     assert quick.model == "embedded" and quick.depths == [0, 512] and quick.m == [8, 12]

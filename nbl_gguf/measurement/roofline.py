@@ -31,22 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
-
-# bytes per element of the K/V cache types llama.cpp offers (block types: block bytes / 32 elements)
-KV_TYPE_BYTES = {
-    "f32": 4.0, "f16": 2.0, "bf16": 2.0,
-    "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32,
-}
+from nbl_gguf.llamacpp.cache_types import CACHE_TYPES, split_cache_type
 
 
 def kv_type_bytes(kv_type: str) -> float:
     """Bytes per cached element; for K's and V's types ('q8_0/q4_0') their mean (K and V rows alike wide)."""
-    try:
-        k, _, v = kv_type.lower().partition("/")
-        return (KV_TYPE_BYTES[k] + KV_TYPE_BYTES[v or k]) / 2
-    except KeyError:
-        raise NblError(f"unknown KV cache type '{kv_type}' (use one of {', '.join(KV_TYPE_BYTES)}, "
-                       f"or K's/V's such as q8_0/q4_0)") from None
+    k, v = split_cache_type(kv_type)
+    return sum(CACHE_TYPES[name][1] / CACHE_TYPES[name][0] for name in (k, v)) / 2
 
 
 @dataclass(frozen=True)
