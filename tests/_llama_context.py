@@ -7,7 +7,6 @@ import ctypes
 
 import numpy as np
 
-from nbl_gguf.llamacpp.cache_types import split_cache_type
 from nbl_gguf.llamacpp import library
 
 
@@ -30,8 +29,7 @@ class Context:
         params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, n_ctx, n_ubatch, n_seq_max
         params.n_threads = params.n_threads_batch = 2
         # "q8_0/q4_0": K's type and V's, as convert --kv-type names them
-        params.type_k, params.type_v = (getattr(llama_cpp, f"GGML_TYPE_{name.upper()}")
-                                        for name in split_cache_type(kv_type))
+        params.type_k, params.type_v = library.ggml_cache_types(kv_type)
         # off for F32, as llama-cpp-python's Llama: the CPU kernel rounds Q to F16
         params.flash_attn_type = 0 if kv_type == "f32" else 1
         params.swa_full = swa_full

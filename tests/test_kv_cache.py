@@ -209,7 +209,7 @@ MODELS = {
 SETTINGS = [dict(n_ctx=4096), dict(n_ctx=1000), dict(n_ctx=8192), dict(n_ctx=4096, swa_full=True),
             dict(n_ctx=4096, n_seq_max=4, kv_unified=True), dict(n_ctx=4096, n_seq_max=2),
             dict(n_ctx=4096, n_batch=256), dict(n_ctx=2048, flash_attn=False),
-            dict(n_ctx=4096, type_k="q8_0", type_v="q4_0")]
+            dict(n_ctx=4096, kv_type="q8_0/q4_0")]
 
 
 def write_model(path: Path, arch: str, n_layer: int, window: int | None, seed: int = 0) -> Path:

@@ -131,12 +131,7 @@ def apply_presets(args) -> None:
         raise NblError("-p 0 and -n 0 leave nothing to measure")
     if args.rounds < 1 or args.repetitions < 1:
         raise NblError("--rounds and --repetitions must be at least 1")
-    from nbl_gguf.llamacpp.cache_types import split_cache_type
-
-    try:
-        split_cache_type(args.cache_type)
-    except NblError as error:
-        raise NblError(f"--cache-type {args.cache_type}: {error}") from None
+    flags.cache_type(f"--cache-type {args.cache_type}", args.cache_type)
 
 
 def check_meaningful(args, explicit: bool) -> None:

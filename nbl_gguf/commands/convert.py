@@ -208,7 +208,6 @@ def convert(args) -> Summary:
     from nbl_gguf.gguf.hf_to_gguf import check_conversion_space, check_hf_folder, convert_hf_to_gguf, model_shape
     from nbl_gguf.gguf.metadata import kv_sizes, taps_state, training_context
     from nbl_gguf.gguf.quantize import compute_imatrix, quantize
-    from nbl_gguf.llamacpp.cache_types import split_cache_type
 
     # cheap checks first: a typo must not cost a calibration
     method = check_method(args.method)
@@ -385,12 +384,11 @@ def convert(args) -> Summary:
         if args.ctx_size:  # the context the selection reported its saving at
             contexts = sorted({SUMMARY_CTX, args.ctx_size})
         types = layers.types
-        type_k, type_v = split_cache_type(kv_type)
         if layers.windows is not None:  # the file's own window layers: its sliding cache beside the global one
             output_reader = gguf.GGUFReader(output)
-            kv = {n_ctx: kv_sizes(output_reader, n_ctx, type_k=type_k, type_v=type_v) for n_ctx in contexts}
+            kv = {n_ctx: kv_sizes(output_reader, n_ctx, kv_type=kv_type) for n_ctx in contexts}
         else:
-            kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types, type_k=type_k, type_v=type_v) for n_ctx in contexts}
+            kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types, kv_type=kv_type) for n_ctx in contexts}
         if (layers.calibration or {}).get("refine"):
             from nbl_gguf.calibration.report import describe_refine
 

@@ -178,14 +178,9 @@ def run_files(args: argparse.Namespace) -> int:
 def check_passkey_and_cache(args: argparse.Namespace) -> tuple[str, tuple[float, ...]]:
     """(the KV cache type, the passkey depths) of --cache-type and --passkey/--passkey-depths, checked before
     any work."""
-    from nbl_gguf.llamacpp.cache_types import split_cache_type
     from nbl_gguf.measurement.passkey import DEPTHS
 
-    try:
-        split_cache_type(args.cache_type)
-    except NblError as error:
-        raise NblError(f"--cache-type {args.cache_type}: {error}") from None
-    cache_type = args.cache_type.lower()
+    cache_type = flags.cache_type(f"--cache-type {args.cache_type}", args.cache_type)
     if args.passkey_depths is not None and not args.passkey:
         raise NblError("--passkey-depths means nothing without --passkey")
     for n in args.passkey or ():

@@ -152,6 +152,18 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 
+def cache_type(flag: str, text: str) -> str:
+    """A cache type a command was given (one of llama.cpp's, or K's/V's as q8_0/q4_0), lower-cased; an
+    error that names ``flag`` otherwise."""
+    from nbl_gguf.llamacpp.cache_types import split_cache_type
+
+    try:
+        split_cache_type(text)
+    except NblError as error:
+        raise NblError(f"{flag}: {error}") from None
+    return text.lower()
+
+
 def kv_type(text: str) -> str:
     """--kv-type: a KV cache type that llama.cpp's CPU and CUDA backends both run with flash attention."""
     from nbl_gguf.measurement.kv_budget import KV_TYPES

@@ -103,14 +103,7 @@ def check_arguments(args) -> None:
 
 
 def kv_types(text: str, flag: str = "--kv-types") -> list[str]:
-    from nbl_gguf.llamacpp.cache_types import split_cache_type
-
-    types = [t.strip().lower() for t in text.split(",") if t.strip()]
-    for t in types:
-        try:
-            split_cache_type(t)
-        except NblError as error:
-            raise NblError(f"{flag}: {error}") from None
+    types = [flags.cache_type(flag, t.strip()) for t in text.split(",") if t.strip()]
     return [t for t in dict.fromkeys(types) if t != "f16"]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nbl_gguf.architectures import ARCHITECTURES
 from nbl_gguf.errors import NblError
-from nbl_gguf.kv_cache import Context, KvLayer, KvModel, KvSize, kv_size
+from nbl_gguf.kv_cache import KvLayer, KvModel, KvSize, cache_context, kv_size
 from nbl_gguf.gguf.nbl_format import (
     ATTENTION,
     SLIDING_WINDOW_KEY,
@@ -192,16 +192,16 @@ def kv_bytes_per_token(reader, layer_types=None) -> tuple[int, int]:
     return per_cell(stock), per_cell(nbl)
 
 
-def kv_sizes(reader, n_ctx: int, layer_types=None, **settings) -> tuple[KvSize, KvSize]:
-    """(stock, this file) KV cache as llama.cpp allocates it at ``n_ctx`` (llama-cli's settings unless
-    ``settings`` name other kv_cache.Context fields); with ``layer_types``, this file as if those layers
-    were replaced."""
+def kv_sizes(reader, n_ctx: int, layer_types=None, kv_type: str = "f16", **settings) -> tuple[KvSize, KvSize]:
+    """(stock, this file) KV cache as llama.cpp allocates it at ``n_ctx`` with the cache type ``kv_type``
+    ('q8_0/q4_0': K's and V's) (llama-cli's settings unless ``settings`` name other kv_cache.Context
+    fields); with ``layer_types``, this file as if those layers were replaced."""
     stock = stock_kv_model(reader)
     if layer_types is None:
         nbl = kv_model(reader)
     else:
         nbl = stock.without(i for i, t in enumerate(layer_types) if t != ATTENTION)
-    context = Context(n_ctx=n_ctx, **settings)
+    context = cache_context(n_ctx, kv_type, **settings)
     return kv_size(stock, context), kv_size(nbl, context)
 
 

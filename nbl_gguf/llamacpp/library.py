@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from nbl_gguf.errors import NblError
+from nbl_gguf.llamacpp.cache_types import split_cache_type
 
 # llama_kv_cache: size =    4.00 MiB (  4096 cells,   4 layers,  1/1 seqs), K (f32):    2.00 MiB, V (f32):    2.00 MiB
 _KV_LINE = re.compile(
@@ -71,9 +72,17 @@ def kv_cache_lines(log: str) -> list[KvCacheInfo]:
             for m in map(_KV_LINE.search, log.splitlines()) if m]
 
 
+def ggml_cache_types(kv_type: str) -> tuple[int, int]:
+    """llama-cpp-python's (type_k, type_v) of a cache type as nbl-gguf names it ('q8_0', 'q8_0/q4_0')."""
+    import llama_cpp
+
+    k, v = split_cache_type(kv_type)
+    return getattr(llama_cpp, f"GGML_TYPE_{k.upper()}"), getattr(llama_cpp, f"GGML_TYPE_{v.upper()}")
+
+
 def context_kv_caches(path: str | Path, *, n_ctx: int, n_batch: int = 2048, n_ubatch: int = 512, n_seq_max: int = 1,
                       kv_unified: bool = False, swa_full: bool = False, flash_attn: bool = True,
-                      type_k: str = "f16", type_v: str = "f16") -> list[KvCacheInfo]:
+                      kv_type: str = "f16") -> list[KvCacheInfo]:
     """The caches libllama allocates for ``path`` with these context settings (the C API's own
     defaults but for swa_full, which is llama-cli's here): a model and a context are created and freed."""
     import llama_cpp
@@ -92,8 +101,7 @@ def context_kv_caches(path: str | Path, *, n_ctx: int, n_batch: int = 2048, n_ub
             # auto, llama-cli's default, creates the cache as flash attention does: V not transposed
             params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn
                                       else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-            params.type_k = getattr(llama_cpp, f"GGML_TYPE_{type_k.upper()}")
-            params.type_v = getattr(llama_cpp, f"GGML_TYPE_{type_v.upper()}")
+            params.type_k, params.type_v = ggml_cache_types(kv_type)
             context = llama_cpp.llama_init_from_model(model, params)
             if not context:
                 raise NblError(f"llama.cpp could not create a context of {n_ctx} for {path}")

@@ -44,13 +44,6 @@ def neighbour_types(file_type: str) -> tuple[str | None, str | None]:
     return (down[-1] if down else None), (up[0] if up else None)
 
 
-def kv_flags(kv_type: str) -> list[str]:
-    """The llama.cpp flags that give the cache this type (none for its default, F16)."""
-    from nbl_gguf.llamacpp.cache_types import cache_type_flags
-
-    return cache_type_flags(kv_type)
-
-
 @dataclass(frozen=True)
 class Variant:
     label: str
@@ -62,7 +55,9 @@ class Variant:
     @property
     def runtime(self) -> str:
         """How to run it: the llama.cpp flags beyond -m."""
-        return " ".join(kv_flags(self.kv_type))
+        from nbl_gguf.llamacpp.cache_types import cache_type_flags
+
+        return " ".join(cache_type_flags(self.kv_type))
 
 
 @dataclass(frozen=True)
@@ -170,10 +165,8 @@ def kv_bytes(path: Path, kv_type: str, n_ctx: int) -> int:
     import gguf
 
     from nbl_gguf.gguf.metadata import kv_sizes
-    from nbl_gguf.llamacpp.cache_types import split_cache_type
 
-    type_k, type_v = split_cache_type(kv_type)
-    _, size = kv_sizes(gguf.GGUFReader(path), n_ctx, type_k=type_k, type_v=type_v)
+    _, size = kv_sizes(gguf.GGUFReader(path), n_ctx, kv_type=kv_type)
     return size.bytes
 
 

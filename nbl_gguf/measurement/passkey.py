@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.llamacpp.cache_types import split_cache_type
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
@@ -95,13 +94,11 @@ def check_lengths(model, lengths) -> None:
 def passkey(model: str | Path, lengths=(4096,), depths=DEPTHS, *, seed: int = 0, kv_type: str = "f16",
             threads: int | None = None, n_gpu_layers: int | None = None) -> PasskeyResult:
     """Greedy answers of the GGUF ``model`` to one prompt per (length, depth), each with its own key."""
-    import llama_cpp
-
     from nbl_gguf.llamacpp import library
 
     check_lengths(model, lengths)
     rng = random.Random(seed)
-    type_k, type_v = (getattr(llama_cpp, f"GGML_TYPE_{name.upper()}") for name in split_cache_type(kv_type))
+    type_k, type_v = library.ggml_cache_types(kv_type)
     llm, _ = library.load_model(model, n_ctx=max(lengths) + HEADROOM, n_gpu_layers=n_gpu_layers,
                                 swa_full=False, type_k=type_k, type_v=type_v, flash_attn=True, n_batch=512,
                                 n_threads=threads, n_threads_batch=threads)

@@ -99,10 +99,8 @@ def _buffer_bytes(cost: ModelCost, cells: int, cache_type: str) -> float:
     import gguf
 
     from nbl_gguf.gguf.metadata import kv_sizes
-    from nbl_gguf.llamacpp.cache_types import split_cache_type
 
-    type_k, type_v = split_cache_type(cache_type)
-    _, size = kv_sizes(gguf.GGUFReader(cost.path), cells, type_k=type_k, type_v=type_v)
+    _, size = kv_sizes(gguf.GGUFReader(cost.path), cells, kv_type=cache_type)
     return size.bytes
 
 
