@@ -21,19 +21,23 @@
 #              taps NBL-6 (K = 4, low-rank lags of rank n_embd/4, as the calibrator's default), pp512 and tg128 at
 #              depths 0, 4096 and 16384, 2 interleaved rounds
 #   taps8b     the same at the Llama-3.1-8B shape, NBL-12, depths 0 and 4096 (264 s on the H200, files made there)
+#   forms1b, forms8b  (not in all) the taps forms side by side at the 1B and 8B shapes: stock, per-token,
+#              low-rank lags at rank n_embd/4 (the default) and n_embd/16, per-channel lags (no extra weights),
+#              depths 0 and 4096 (8B: 0, the goal's depth; issue 34, item 1)
 #   spill      the calibration on a GPU filled so that one layer fits and the windows' hidden states do not:
 #              they spill to host memory, then to disk, with the calibration of the GPU-resident run (pytest)
 #   hf         (not in all; not run yet) transformers bf16 on CUDA, same shape and NBL layers, against llama.cpp
 #   1b         (not in all; not run yet) Llama-3.2-1B shape, m=6: CPU (-ngl 0 -dev none) and CUDA side by side
-#   tests      the in-process and tool tests of the patched llama.cpp (NBL and taps layers, llama-server,
-#              KV sizes) with every layer offloaded (NBL_GGUF_N_GPU_LAYERS=99; the tools offload by default);
+#   tests      the in-process and tool tests of the patched llama.cpp (NBL, taps and window layers,
+#              llama-server, KV sizes) with every layer offloaded (NBL_GGUF_N_GPU_LAYERS=99; the tools offload by default);
 #              tests/test_llama_cuda.py: each file's CUDA logits against the same build's CPU backend; then
 #              the PyTorch comparisons again with TF32 off (NVIDIA_TF32_OVERRIDE=0; not run yet)
 #   stream     the streamed calibration against the whole model on CUDA (scripts/gpu_tokenizer_plugin.py)
 #
 # Environment: RESULTS (default $OUT/gpu when the device tool sets OUT, else bench-results/gpu),
 # NBL_GGUF_BUILD (default build-cuda), PYTHON (default python3), CUDA_ARCH (default 90: H100/H200),
-# BENCH_WORK (large files, default /tmp/nbl-gpu-work).
+# BENCH_WORK (large files, default /tmp/nbl-gpu-work), PACK_TO (a .tar.gz the results are packed into after
+# each stage: the device tool brings back few files, and a run cut off at its limit keeps what it finished).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -126,6 +130,18 @@ stage_taps8b() {
         -p 512 -n 128 --rounds 2 -r 2 --no-plot --work-dir "$work/bench" -o "$results/taps-8b-cuda" 2>&1 | tail -40
 }
 
+stage_forms1b() {
+    "$PYTHON" -m nbl_gguf bench --shape llama-3.2-1b --m 6 --taps 1,4 --taps-forms lowrank,lowrank:128,channel \
+        --quant q4_k_m --backends cuda -d 0,4096 -p 512 -n 128 --rounds 2 -r 2 --no-plot --work-dir "$work/bench" \
+        -o "$results/taps-forms-1b-cuda" 2>&1 | tail -40
+}
+
+stage_forms8b() {
+    "$PYTHON" -m nbl_gguf bench --shape llama-3.1-8b --m 12 --taps 1,4 --taps-forms "${FORMS_8B:-lowrank,lowrank:256,channel}" \
+        --quant q4_k_m --backends cuda -d 0 -p 512 -n 128 --rounds 2 -r 2 --no-plot --work-dir "$work/bench" \
+        -o "$results/taps-forms-8b-cuda" 2>&1 | tail -40
+}
+
 stage_spill() {
     nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
     "$PYTHON" -m pytest -q -rA -s -p no:cacheprovider -o addopts="" tests/test_calibrate_stream.py -k real_gpu \
@@ -148,14 +164,20 @@ stage_tests() {
     local preload=/lib/x86_64-linux-gnu/libstdc++.so.6
     [ -f "$preload" ] || preload=
     LD_PRELOAD=$preload NBL_GGUF_N_GPU_LAYERS=99 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -o addopts="" \
-        tests/test_llama_cuda.py tests/test_llama_nbl.py tests/test_llama_taps.py tests/test_llama_server.py \
-        tests/test_kv_cache.py \
-        2>&1 | tee "$results/tests-cuda.log" | tail -60
+        tests/test_llama_cuda.py tests/test_llama_nbl.py tests/test_llama_taps.py tests/test_llama_window.py \
+        tests/test_llama_server.py tests/test_kv_cache.py \
+        2>&1 | tee "$results/tests-cuda.log" | tail -60 || true  # the failures are the log's to report, not a stop
     # the comparisons with PyTorch at 1e-3 again, with cuBLAS's TF32 off (ggml allows it, and it alone put
     # the stock file 3e-3 from the CPU backend): not run yet (docs/results/gpu.md)
     LD_PRELOAD=$preload NBL_GGUF_N_GPU_LAYERS=99 NVIDIA_TF32_OVERRIDE=0 "$PYTHON" -m pytest -q -rA -p no:cacheprovider \
-        -o addopts="" tests/test_llama_nbl.py tests/test_llama_taps.py tests/test_llama_cuda.py \
-        2>&1 | tee "$results/tests-cuda-tf32-off.log" | tail -30
+        -o addopts="" tests/test_llama_nbl.py tests/test_llama_taps.py tests/test_llama_window.py tests/test_llama_cuda.py \
+        2>&1 | tee "$results/tests-cuda-tf32-off.log" | tail -30 || true
+    # the same comparisons on the CPU backend of this build on this machine: with TF32 off the taps and
+    # window tests still missed their references on CUDA (5e-3 to 1.5e-2) while test_llama_cuda found CUDA
+    # within 3e-6 of this CPU backend (2026-11-27, docs/results/gpu.md); this tells the GPU from the machine
+    LD_PRELOAD=$preload NBL_GGUF_N_GPU_LAYERS=0 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -o addopts="" \
+        tests/test_llama_taps.py tests/test_llama_window.py -k "match or same_logits" \
+        2>&1 | tee "$results/tests-cpu-backend.log" | tail -20 || true
 }
 
 stage_stream() {
@@ -171,8 +193,11 @@ stages=("$@")
 for stage in "${stages[@]}"; do
     case $stage in
         all) for s in build models calibrate bench8b taps taps8b tests stream spill; do log "stage $s"; "stage_$s"; done ;;
-        pack|build|models|calibrate|bench8b|taps|taps8b|spill|hf|1b|tests|stream) log "stage $stage"; "stage_$stage" ;;
-        *) log "unknown stage '$stage' (pack, build, models, calibrate, bench8b, taps, taps8b, spill, hf, 1b, tests, stream, all)"
+        pack|build|models|calibrate|bench8b|taps|taps8b|forms1b|forms8b|spill|hf|1b|tests|stream)
+            log "stage $stage"; "stage_$stage"
+            log "stage $stage done"
+            [ -z "${PACK_TO:-}" ] || tar -C "$(dirname "$results")" -czf "$PACK_TO" "$(basename "$results")" ;;
+        *) log "unknown stage '$stage' (pack, build, models, calibrate, bench8b, taps, taps8b, forms1b, forms8b, spill, hf, 1b, tests, stream, all)"
            exit 2 ;;
     esac
 done

@@ -443,9 +443,10 @@ def test_synthetic_models_carry_taps_layers_of_the_calibrators_default_form(tmp_
 
     shape = synthetic.Shape("tiny-taps", 256, 4, 4, 2, 512, 300, False, 10000.0, 4096)
     stock, nbl = synthetic.make_pair(shape, "q4_k_m", [2], tmp_path, taps=[1, 4], log=lambda *a: None)
-    assert sorted(nbl) == [(2, 1), (2, 4)]
+    assert sorted(nbl) == [(2, ""), (2, "taps4")]
     layers = synthetic.default_layers(shape, 2)
-    for (m, k), path in nbl.items():
+    for (m, label), path in nbl.items():
+        k = 4 if label else 1
         reader = gguf.GGUFReader(path)
         kind = nbl_format.TAPS if k > 1 else nbl_format.LINEAR
         assert nbl_format.read_layer_types(reader) == [kind if i in layers else nbl_format.ATTENTION for i in range(4)]
@@ -462,7 +463,7 @@ def test_synthetic_models_carry_taps_layers_of_the_calibrators_default_form(tmp_
     assert nbl_format.read_layer_types(gguf.GGUFReader(stock)) is None
 
     args = argparse.Namespace(shape="tiny-taps", layers=None, quant="q4_k_m", m=[2], seed=0, threads=None, taps=[1, 4],
-                              work_dir=str(tmp_path / "work"))
+                              taps_forms=None, work_dir=str(tmp_path / "work"))
     monkeypatch.setitem(synthetic.SHAPES, "tiny-taps", shape)
     models = bench.shape_models(args, log=lambda *a: None)
     assert [c.label for c in models.nbl] == ["nbl-m2", "nbl-m2-taps4"]
@@ -470,3 +471,33 @@ def test_synthetic_models_carry_taps_layers_of_the_calibrators_default_form(tmp_
         synthetic.make_pair(shape, "q4_k_m", [2], tmp_path, taps=[0], log=lambda *a: None)
     with pytest.raises(NblError, match="--taps 1,4 means nothing without --shape"):
         bench.apply_presets(_args(baseline="a.gguf", nbl=["b.gguf"], taps=[1, 4]))
+
+
+def test_synthetic_taps_files_of_each_asked_form_carry_that_forms_tensors(tmp_path):
+    """`bench --shape --taps 1,4 --taps-forms lowrank:32,channel,full`: one taps file per form on the
+    same layers, each with its form's lag tensors at their sizes; a bad form or rank is refused by name."""
+    import gguf
+
+    from nbl_gguf.fixtures import synthetic
+    from nbl_gguf.gguf import nbl_format
+
+    shape = synthetic.Shape("tiny-forms", 256, 4, 4, 2, 512, 300, False, 10000.0, 4096)
+    _, nbl = synthetic.make_pair(shape, "q8_0", [1], tmp_path, taps=[1, 4], taps_forms=["lowrank:32", "channel", "full"],
+                                 log=lambda *a: None)
+    assert sorted(label for _, label in nbl) == ["", "taps4-channel", "taps4-full", "taps4-lowrank32"]
+    layer = synthetic.default_layers(shape, 1)[0]
+    want = {"taps4-lowrank32": {"lag_down": [3 * 256, 32], "lag_up": [32, 256]},
+            "taps4-channel": {"conv": [256, 4]},
+            "taps4-full": {"lag": [3 * 256, 256]}}
+    for label, shapes in want.items():
+        tensors = {t.name: t for t in gguf.GGUFReader(nbl[1, label]).tensors}
+        lags = {name: tensors.get(pattern.format(layer=layer)) for name, pattern in nbl_format.TAPS_TENSORS.items()}
+        present = {name: [int(n) for n in t.shape] for name, t in lags.items() if t is not None and name in
+                   ("lag", "lag_down", "lag_up", "conv")}
+        assert present == shapes, label
+    for bad, message in [("lowrank:0", "rank is a whole number"), ("channel:8", "only the lowrank form"),
+                         ("conv", "unknown form 'conv'")]:
+        with pytest.raises(NblError, match=message):
+            synthetic.make_pair(shape, "q8_0", [1], tmp_path, taps=[4], taps_forms=[bad], log=lambda *a: None)
+    with pytest.raises(NblError, match="--taps-forms channel means nothing"):
+        bench.apply_presets(_args(shape="llama-3.2-1b", m=[6], taps=[1], taps_forms=["channel"]))

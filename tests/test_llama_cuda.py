@@ -54,13 +54,18 @@ def logits(path, tokens, on_gpu: bool) -> np.ndarray:
 
 
 def files(tmp_path) -> tuple[dict, list[int]]:
-    """The stock tiny model, per-token NBL layers and taps layers of each form, and the tokens to run."""
+    """The stock tiny model, per-token NBL layers, taps layers of each form and window layers, and the tokens to run."""
     tiny = TinyLlama(n_layer=4, n_head=8, n_head_kv=2, seed=11)
     out = {"stock": tiny.write_gguf(tmp_path / "stock.gguf"),
            "linear+dropped": tiny.write_nbl_gguf(tmp_path / "linear.gguf", [A, L, D, L], tiny.random_linear([1, 3]))}
     for form in ("full", "lowrank", "channel"):
         maps = {**tiny.random_taps([0, 3], 4, form), 2: tiny.random_linear([2])[2]}
         out[f"taps-{form}"] = tiny.write_nbl_gguf(tmp_path / f"taps-{form}.gguf", [T, A, L, T], maps)
+    # window layers (the last 6 tokens and 2 sinks, fewer than the prompt) beside a taps and a linear layer:
+    # llama.cpp's sliding-window mask and cache on the GPU
+    maps = {**tiny.random_taps([0], 4, "lowrank"), 2: tiny.random_linear([2])[2]}
+    out["windows+taps"] = tiny.write_nbl_gguf(tmp_path / "windows.gguf", [T, A, L, A], maps,
+                                             windows=nbl_format.Windows(layers=(1, 3), size=6, sinks=2))
     return out, [int(t) for t in np.random.default_rng(5).integers(3, tiny.n_vocab, PROMPT + DECODE)]
 
 

@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 "layers reading K tokens (random maps of the calibrator's default form), e.g. 1,4 "
                                 "(default: 1); --frontier: the kinds of map, one calibration each (default: 4,1 where "
                                 "the file can carry taps)")
+    source.add_argument("--taps-forms", type=flags.name_list, default=None, metavar="FORMS",
+                        help="--shape: the forms of the taps files, one file per form and count K > 1, e.g. "
+                             "lowrank,channel,lowrank:256 (lowrank's rank defaults to n_embd/4; default: lowrank)")
     source.add_argument("--work-dir", default=None,
                         help="where generated GGUFs are kept and reused (default: ~/.cache/nbl-gguf/bench)")
     flags.add_seed(source, "a --shape model's weights and of --model's calibration")
@@ -142,6 +145,9 @@ def check_meaningful(args, explicit: bool) -> None:
     if args.taps is not None and args.shape is None:
         refuse(f"--taps {','.join(map(str, args.taps))}", "without --shape: the files of --model and --baseline/--nbl "
                                                           "say themselves what replaces their layers")
+    if args.taps_forms is not None and not (args.shape is not None and any(k > 1 for k in args.taps or [])):
+        refuse(f"--taps-forms {','.join(args.taps_forms)}", "without --shape and a --taps count above 1: it names "
+                                                             "the forms of a synthetic model's taps files")
     if args.layers is not None and args.shape is None:
         refuse(f"--layers {args.layers}", "without --shape: it names the layers of a synthetic model")
     if args.hf_model is not None and not (explicit and args.hf_compare):
@@ -199,13 +205,14 @@ def shape_models(args, log) -> ModelSet:
     layers = _parse_layers(args.layers)
     directory = work_dir(args) / "synthetic"
     taps = args.taps or [1]
+    forms = args.taps_forms or []
     stock, nbl = synthetic.make_pair(shape, args.quant, args.m, directory, seed=args.seed, layers=layers,
-                                     threads=args.threads, taps=taps, log=log)
+                                     threads=args.threads, taps=taps, taps_forms=forms, log=log)
     return ModelSet(
         f"synthetic {shape.name}", args.quant, Candidate("stock", stock),
-        [Candidate(f"nbl-m{m}" + (f"-taps{k}" if k > 1 else ""), path) for (m, k), path in nbl.items()],
+        [Candidate(f"nbl-m{m}" + (f"-{label}" if label else ""), path) for (m, label), path in nbl.items()],
         hf={"kind": "shape", "shape": shape.name, "seed": args.seed},
-        commands=[f"synthetic.make_pair({shape.name!r}, {args.quant!r}, m={args.m}, seed={args.seed}, taps={taps}) "
+        commands=[f"synthetic.make_pair({shape.name!r}, {args.quant!r}, m={args.m}, seed={args.seed}, taps={taps}, taps_forms={forms}) "
                   f"(random Q8_0 weights by gguf-py -> llama-quantize --allow-requantize)"],
     )
 

@@ -96,6 +96,11 @@ class _Flatten(argparse.Action):
         setattr(namespace, self.dest, [value for part in values for value in part])
 
 
+def name_list(text: str) -> list[str]:
+    """A comma-separated list of names, e.g. lowrank,channel."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def add_m_list(parser, help: str, default=None) -> None:
     """--m of the commands that measure several layer counts (bench, eval --sweep)."""
     parser.add_argument("--m", nargs="+", type=int_list, action=_Flatten, default=default, metavar="M", help=help)
