@@ -5,6 +5,11 @@ passkey prompts of measurement.passkey. For each m: no windows, the walk's first
 
     python docs/results/experiments/window_probe_check.py --model MODEL.gguf \
         --choice docs/results/window/NAME/choice-retrieval-0.15.json --m 15 > OUT.txt
+
+Or given window sets (W and S from --size/--sinks), the probes at chosen depths, without the repeated filler:
+
+    python docs/results/experiments/window_probe_check.py --model MODEL.gguf --sets "19=0-9,12,14,15,17-21,23;..." \
+        --depths 0.0,0.25,0.75 --no-repeated > OUT.txt
 """
 
 from __future__ import annotations
@@ -19,11 +24,24 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 
+def parse_layers(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--choice", required=True, type=Path)
+    parser.add_argument("--choice", type=Path, help="a window choice's JSON: compare its walk's and text's first m")
     parser.add_argument("--m", default="15")
+    parser.add_argument("--sets", default=None, help="instead of --choice: 'LABEL=LAYERS;...', LAYERS as 0-9,12")
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--depths", default="0.25,0.5,0.75", help="the probes' depths in the span beyond the window")
+    parser.add_argument("--no-repeated", action="store_true", help="leave out the probes in repeated filler")
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -42,22 +60,33 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     stream = LayerStream(resolve_model(args.model), models.resolve_dtype("auto", "cpu"), "cpu")
     tokenizer = stream.tokenizer
-    choice = json.loads(args.choice.read_text())
-    increases = {int(k): v for k, v in choice["increases"].items()}
-    by_text = sorted(increases, key=lambda i: (increases[i], i))
-    window = Window(choice["size"], choice["sinks"])
     names, variants = ["no windows"], [{}]
-    for m in (int(x) for x in args.m.split(",")):
-        names += [f"walk m={m}", f"text m={m}"]
-        variants += [{i: ATTN_WINDOW for i in choice["order"][:m]}, {i: ATTN_WINDOW for i in by_text[:m]}]
+    if args.sets:
+        window = Window(args.size, args.sinks)
+        for item in args.sets.split(";"):
+            label, _, layers = item.partition("=")
+            names.append(label)
+            variants.append({i: ATTN_WINDOW for i in parse_layers(layers)})
+    else:
+        choice = json.loads(args.choice.read_text())
+        increases = {int(k): v for k, v in choice["increases"].items()}
+        by_text = sorted(increases, key=lambda i: (increases[i], i))
+        window = Window(choice["size"], choice["sinks"])
+        for m in (int(x) for x in args.m.split(",")):
+            names += [f"walk m={m}", f"text m={m}"]
+            variants += [{i: ATTN_WINDOW for i in choice["order"][:m]}, {i: ATTN_WINDOW for i in by_text[:m]}]
+    depths = tuple(float(x) for x in args.depths.split(","))
 
     ids, _ = bundled_selection_windows(tokenizer, {kind: 1 for kind in KINDS}, args.ctx)
     repeated = ids.clone()
     for row in range(ids.shape[0]):  # one sentence-sized piece of each text, repeated
         unit = ids[row, 1:25]
         repeated[row, 1:] = unit.repeat(args.ctx // len(unit) + 1)[:args.ctx - 1]
-    sets = {"probes, other keys": retrieval_probes(tokenizer, ids, window, depths=(0.25, 0.5, 0.75), seed=1),
-            "probes, repeated filler": retrieval_probes(tokenizer, repeated, window, depths=(0.25, 0.5, 0.75), seed=1)}
+    sets = {"probes, other keys": retrieval_probes(tokenizer, ids, window, depths=depths, seed=1)}
+    if not args.no_repeated:
+        sets["probes, repeated filler"] = retrieval_probes(tokenizer, repeated, window, depths=depths, seed=1)
+    for label, probes in sets.items():
+        print(f"{label}: distances {list(probes.distances)} (text-major, depths {list(depths)})", flush=True)
 
     # the passkey prompts, as measurement.passkey builds them (its seed 0 keys), the answer " KEY" scored
     rng = random.Random(0)
