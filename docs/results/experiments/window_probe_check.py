@@ -6,10 +6,10 @@ passkey prompts of measurement.passkey. For each m: no windows, the walk's first
     python docs/results/experiments/window_probe_check.py --model MODEL.gguf \
         --choice docs/results/window/NAME/choice-retrieval-0.15.json --m 15 > OUT.txt
 
-Or given window sets (W and S from --size/--sinks), the probes at chosen depths, without the repeated filler:
+Or given window sets (W and S from --size/--sinks), the probes at chosen depths, some kinds of prompt only:
 
     python docs/results/experiments/window_probe_check.py --model MODEL.gguf --sets "19=0-9,12,14,15,17-21,23;..." \
-        --depths 0.0,0.25,0.75 --no-repeated > OUT.txt
+        --depths 0.0,0.25,0.75 --kinds probes,passkey > OUT.txt
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--depths", default="0.25,0.5,0.75", help="the probes' depths in the span beyond the window")
-    parser.add_argument("--no-repeated", action="store_true", help="leave out the probes in repeated filler")
+    parser.add_argument("--kinds", default="probes,repeated,passkey",
+                        help="which prompts: probes (facts in the texts), repeated (the same facts in one sentence "
+                             "repeated), passkey (measurement.passkey's own prompts: the evaluation's)")
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -82,8 +84,11 @@ def main() -> int:
     for row in range(ids.shape[0]):  # one sentence-sized piece of each text, repeated
         unit = ids[row, 1:25]
         repeated[row, 1:] = unit.repeat(args.ctx // len(unit) + 1)[:args.ctx - 1]
-    sets = {"probes, other keys": retrieval_probes(tokenizer, ids, window, depths=depths, seed=1)}
-    if not args.no_repeated:
+    kinds = set(args.kinds.split(","))
+    sets = {}
+    if "probes" in kinds:
+        sets["probes, other keys"] = retrieval_probes(tokenizer, ids, window, depths=depths, seed=1)
+    if "repeated" in kinds:
         sets["probes, repeated filler"] = retrieval_probes(tokenizer, repeated, window, depths=depths, seed=1)
     for label, probes in sets.items():
         print(f"{label}: distances {list(probes.distances)} (text-major, depths {list(depths)})", flush=True)
@@ -103,7 +108,10 @@ def main() -> int:
     for i, (r, n) in enumerate(zip(rows, masks)):
         scored[i, len(r) - 1 - n:len(r) - 1] = True
 
-    for label, (batch, mask) in [(k, (p.ids, p.scored)) for k, p in sets.items()] + [("passkey prompts", (passkey_ids, scored))]:
+    prompts = [(k, (p.ids, p.scored)) for k, p in sets.items()]
+    if "passkey" in kinds:
+        prompts.append(("passkey prompts", (passkey_ids, scored)))
+    for label, (batch, mask) in prompts:
         finals = run_variants(stream, batch, variants, lambda k, t: window)
         stream.load_head()
         print(f"## {label}")
