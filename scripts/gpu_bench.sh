@@ -23,7 +23,8 @@
 #   taps8b     the same at the Llama-3.1-8B shape, NBL-12, depths 0 and 4096 (264 s on the H200, files made there)
 #   forms1b, forms8b  (not in all) the taps forms side by side at the 1B and 8B shapes: stock, per-token,
 #              low-rank lags at rank n_embd/4 (the default) and n_embd/16, per-channel lags (no extra weights),
-#              depths 0 and 4096 (8B: 0, the goal's depth; issue 34, item 1)
+#              depths 0 and 4096 (8B: 0, the goal's depth; issue 34, item 1); FORMS_8B names the 8B file's forms (default
+#              lowrank,lowrank:256,channel): writing the 8B files took over 4.5 min on the H200 machine
 #   spill      the calibration on a GPU filled so that one layer fits and the windows' hidden states do not:
 #              they spill to host memory, then to disk, with the calibration of the GPU-resident run (pytest)
 #   hf         (not in all; not run yet) transformers bf16 on CUDA, same shape and NBL layers, against llama.cpp
