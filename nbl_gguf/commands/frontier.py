@@ -103,7 +103,7 @@ def check_arguments(args) -> None:
 
 
 def kv_types(text: str, flag: str = "--kv-types") -> list[str]:
-    types = [flags.cache_type(flag, t.strip()) for t in text.split(",") if t.strip()]
+    types = [flags.cache_type(flag, t) for t in flags.name_list(text)]
     return [t for t in dict.fromkeys(types) if t != "f16"]
 
 
