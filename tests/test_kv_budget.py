@@ -5,6 +5,7 @@ file and cache type fit the budget as llama.cpp allocates it."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -337,6 +338,30 @@ def test_window_candidates_are_measured_with_their_windows(tiny_gguf, tmp_path, 
     assert (windows is not None) == ("window layers" in chosen)
 
 
+def test_window_candidates_kept_global_for_recall_are_measured_as_their_own_files(tiny_gguf, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """A budget where F16 needs three window layers and q8_0 one: the leave-one-out runs on the walk's kept layers
+    (at most three), and q8_0's one-window candidate comes with one whose window is another layer, measured
+    as a file of its own (a different perplexity), the ranking named in the summary."""
+    import re
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out.gguf"
+    assert main(["convert", "--model", str(tiny_gguf), "--kv-budget", "0.9MiB", "--kv-budget-passkey", "off",
+                 "--ctx-size", "4096", "--window-size", "64", "--window-sinks", "2", "--nsamples", "8", "--seqlen", "64",
+                 "--no-progress", "--threads", "1", "--eval-chunks", "1", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    measured = dict(re.findall(r"^kv budget: (1 window layers \(W = 64\), KV q8_0.*?): [0-9.]+ [KM]iB, held-out "
+                               r"perplexity at \d+ ([-+][0-9.]+)%$", printed, re.M))
+    assert len(measured) == 2, printed
+    swapped = next(label for label in measured if "global for recall" in label)
+    assert measured[swapped] != measured["1 window layers (W = 64), KV q8_0"]
+    ranking = re.search(r"recall each window layer gives back made global alone .* with all (\d+)\): (\d+) ", printed)
+    assert ranking and 2 <= int(ranking.group(1)) <= 3
+    # the ranking's first layer is the swapped-in global; the layer the order kept global is windowed instead
+    assert re.search(rf"{ranking.group(2)} global for recall \(windowed: \d+\)", swapped)
+
+
 def test_the_summary_gives_kv_and_run_flags_at_the_kv_type(tmp_path):
     """convert --kv-type q8_0: the KV rows in that type's bytes (34 bytes a block of 32 values, against 64 in
     F16) and the flags to run the file with."""
@@ -378,3 +403,51 @@ def test_the_summary_gives_each_candidates_passkeys_and_warns_when_the_chosen_on
                                "against 3/3)") for line in lines)
     budget["candidates"][0]["passkey_found"] = 3
     assert not any("warning" in line for line in summary.budget_lines())
+
+
+def test_window_candidates_come_with_layers_kept_global_for_recall():
+    """swap_globals: the recall ranking's first layers global in place of the window order's, and each of its
+    first RECALL_SWAPS that the order windows swapped alone for the order's global that gives back the least;
+    each such candidate fits the budget like the one it comes from, and none comes from a candidate that holds
+    a refused layer or windows the whole ranked set."""
+    model = KvModel(layers=tuple(KvLayer(128, 128) for _ in range(8)))
+    n_ctx, window = 32768, (512, 4)
+    window_order = [5, 2, 7, 0, 3, 1, 6, 4]
+    ranking = [7, 5, 3, 0, 1, 2]  # the first six of the order, the most recall first
+    four = kv_budget.kv_bytes(model, n_ctx, "f16", windows=window_order[:4], window=window)
+    found = kv_budget.candidates(model, n_ctx, four, [], window_order, [window], window_kept=6, recall_ranking=ranking)
+    f16 = [c for c in found if c.kv_type == "f16"]
+    text = next(c for c in f16 if not c.recall_globals)
+    assert text.windows == (0, 2, 5, 7)  # the order's first four: globals 3 and 1 of the ranked set
+    swaps = {c.windows: (c.recall_globals, c.recall_windowed) for c in f16 if c.recall_globals}
+    assert kv_budget.RECALL_SWAPS == 2
+    assert swaps == {(0, 1, 2, 3): ((5, 7), (1, 3)),  # the ranking's two first global instead of 3 and 1
+                     (0, 1, 2, 5): ((7,), (1,)),  # 7 for 1 (1 gives back less than 3)
+                     (0, 1, 2, 7): ((5,), (1,))}
+    for c in found:
+        assert c.kv_bytes <= four
+        assert kv_budget.kv_bytes(model, n_ctx, c.kv_type, windows=c.windows, window=window) == c.kv_bytes
+    swapped = next(c for c in f16 if c.recall_globals == (7,))
+    assert swapped.label.endswith("KV f16, 7 global for recall (windowed: 1)")
+    # the whole ranked set windowed, or a candidate holding a refused layer: nothing to swap
+    assert kv_budget.swap_globals(replace(text, windows=tuple(sorted(ranking))), ranking) == []
+    assert kv_budget.swap_globals(replace(text, refused=(2,)), ranking) == []
+    # a ranking whose first layers are the order's globals: nothing to swap; one of them first: one swap
+    assert kv_budget.swap_globals(text, [3, 1, 7, 5, 0, 2]) == []
+    half = kv_budget.swap_globals(text, [3, 7, 1, 5, 0, 2])
+    assert [(c.recall_globals, c.recall_windowed, c.windows) for c in half] == [((7,), (1,), (0, 1, 2, 5))]
+
+
+def test_a_swap_that_no_longer_fits_is_left_out():
+    """Layers with unequal caches: keeping a larger one global for a smaller can overrun the budget."""
+    model = KvModel(layers=(KvLayer(128, 128), KvLayer(512, 512), KvLayer(128, 128), KvLayer(128, 128)))
+    n_ctx, window = 32768, (512, 4)
+    window_order = [1, 0, 2, 3]
+    budget = kv_budget.kv_bytes(model, n_ctx, "f16", windows=[1, 0], window=window)
+    found = kv_budget.candidates(model, n_ctx, budget, [], window_order, [window], window_kept=3,
+                                 recall_ranking=[1, 2, 0])
+    f16 = [c for c in found if c.kv_type == "f16"]
+    assert [c.windows for c in f16] == [(0, 1)]  # 1 global for 2 would need more room
+    every = kv_budget.swap_globals(f16[0], [1, 2, 0])
+    assert [c.windows for c in every] == [(0, 2)]
+    assert kv_budget.kv_bytes(model, n_ctx, "f16", windows=(0, 2), window=window) > budget

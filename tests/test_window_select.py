@@ -199,3 +199,45 @@ def test_the_retrieval_walk_equals_the_whole_model_measured_per_step(stream_and_
 
     sparse = guarded_walk(stream, probes, by_text, 3, {}, lambda layer, _type: window, tolerance, hold_bytes=1)
     assert (sparse.kept, sparse.losses, sparse.refused) == (guard.kept, guard.losses, guard.refused)
+
+
+def test_global_recall_equals_the_whole_model_with_each_layer_global_in_turn(stream_and_model):
+    from nbl_gguf.calibration.windows import RetrievalProbes, global_recall
+
+    stream, model, _ = stream_and_model
+    window = Window(size=4, sinks=1)
+    probe_ids = torch.randint(4, 40, (2, 96), generator=torch.Generator().manual_seed(11))
+    probe_ids[:, 80:88] = probe_ids[:, 12:20]
+    scored = torch.zeros(2, 95, dtype=torch.bool)
+    scored[:, 80:87] = True
+    probes = RetrievalProbes(probe_ids, scored, (60, 60))
+    replaced = {1: ATTN_LINEAR}
+    rng = np.random.default_rng(3)
+    linear = {1: ((0.1 * rng.standard_normal((32, 32))).astype(np.float32), (0.1 * rng.standard_normal(32)).astype(np.float32))}
+    windows = (4, 0, 3)
+
+    recall = global_recall(stream, probes, windows, lambda k, t: window if t == ATTN_WINDOW else linear[k], replaced)
+    every = {**replaced, **{i: ATTN_WINDOW for i in windows}}
+    maps = {**linear, **{i: window for i in windows}}
+    assert recall.base_loss == pytest.approx(whole_model_answer_loss(model, probes, every, maps), abs=1e-5)
+    want = {layer: whole_model_answer_loss(model, probes, {k: t for k, t in every.items() if k != layer}, maps)
+            for layer in windows}
+    assert sorted(recall.losses) == sorted(windows)
+    for layer in windows:
+        assert recall.losses[layer] == pytest.approx(want[layer], abs=1e-5)
+    assert len({round(v, 4) for v in want.values()}) == 3  # the layers differ: the ranking means something
+    assert recall.ranking == sorted(windows, key=lambda i: want[i])
+    assert recall.report()["ranking"] == recall.ranking
+
+
+def test_repeated_filler_keeps_the_first_token_and_repeats_a_piece_of_each_text():
+    from nbl_gguf.calibration.windows import repeated_filler
+
+    ids = torch.arange(2 * 50).reshape(2, 50)
+    out = repeated_filler(ids, piece=7)
+    assert out.shape == ids.shape and out[:, 0].tolist() == ids[:, 0].tolist()
+    for row in range(2):
+        unit = ids[row, 1:8].tolist()
+        assert out[row, 1:].tolist() == (unit * 8)[:49]
+    with pytest.raises(NblError, match="more than 8 tokens"):
+        repeated_filler(ids[:, :8], piece=7)

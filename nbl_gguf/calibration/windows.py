@@ -57,6 +57,7 @@ class WindowChoice:
     loss: float  # the chosen window layers together
     increases: dict[int, float] = field(default_factory=dict)  # each candidate alone: loss - base_loss
     retrieval: RetrievalGuard | None = None  # the probes' walk, when the choice had probes
+    global_recall: GlobalRecall | None = None  # what each of a set of them gives back made global, when asked
 
     @property
     def order(self) -> list[int]:
@@ -72,7 +73,8 @@ class WindowChoice:
         return {"layers": list(self.layers), "size": self.window.size, "sinks": self.window.sinks, "ctx": self.ctx,
                 "texts": self.texts, "base_loss": self.base_loss, "loss": self.loss,
                 "increases": {str(k): v for k, v in sorted(self.increases.items())}} | \
-            ({"retrieval": self.retrieval.report()} if self.retrieval is not None else {})
+            ({"retrieval": self.retrieval.report()} if self.retrieval is not None else {}) | \
+            ({"global_recall": self.global_recall.report()} if self.global_recall is not None else {})
 
 
 @dataclass
@@ -159,6 +161,52 @@ def retrieval_probes(tokenizer, ids: torch.Tensor, window: Window, depths: Seque
             masks.append(mask)
             distances.append(ctx - len(tail) - at - len(needle))
     return RetrievalProbes(torch.stack(rows), torch.stack(masks), tuple(distances))
+
+
+def repeated_filler(ids: torch.Tensor, piece: int = 24) -> torch.Tensor:
+    """Windows ``ids`` [n, ctx] with each one's text after its first token replaced by a sentence-sized
+    ``piece`` of it repeated. A fact hidden in such filler is what a passkey test asks for; in running text a
+    fact stands out and is easy to find again, so probes there barely tell window sets apart (Qwen2.5-Coder-0.5B:
+    three sets that find 5/5, 4/5 and 3/5 passkeys: answer loss 0.068, 0.086 and 0.099; docs/results/frontier.md)."""
+    if ids.shape[1] <= piece + 1:
+        raise NblError(f"repeated filler of {piece}-token pieces needs windows of more than {piece + 1} tokens")
+    out = ids.clone()
+    for row in range(ids.shape[0]):
+        unit = ids[row, 1:1 + piece]
+        out[row, 1:] = unit.repeat(ids.shape[1] // piece + 1)[:ids.shape[1] - 1]
+    return out
+
+
+@dataclass
+class GlobalRecall:
+    """What each window layer of a set gives back made global alone (a leave-one-out on retrieval probes):
+    the probes' answer loss with the whole set, and with each of its layers global instead."""
+    windows: tuple[int, ...]
+    base_loss: float  # nats per answer token, the whole set windowed
+    losses: dict[int, float]  # layer -> the answer loss with that layer global, the rest windowed
+
+    @property
+    def ranking(self) -> list[int]:
+        """The set's layers, the one that gives back the most recall first."""
+        return sorted(self.losses, key=lambda i: (self.losses[i], i))
+
+    def report(self) -> dict:
+        return {"windows": list(self.windows), "base_loss": self.base_loss,
+                "losses": {str(k): v for k, v in sorted(self.losses.items())}, "ranking": self.ranking}
+
+
+def global_recall(stream, probes: RetrievalProbes, windows: Sequence[int], layer_map: Callable,
+                  replaced: Mapping[int, int] | None = None) -> GlobalRecall:
+    """GlobalRecall of the window layers ``windows`` on ``probes``, on top of ``replaced`` (one pass of
+    the stream: the variants share their track up to the first layer where they differ)."""
+    from nbl_gguf.calibration.variants import run_variants
+
+    replaced = dict(replaced or {})
+    windows = tuple(windows)
+    whole = {**replaced, **{i: ATTN_WINDOW for i in windows}}
+    variants = [whole] + [{k: t for k, t in whole.items() if k != layer} for layer in windows]
+    losses = answer_loss(stream, run_variants(stream, probes.ids, variants, layer_map), probes)
+    return GlobalRecall(windows, losses[0], dict(zip(windows, losses[1:])))
 
 
 def scored_loss(stream, finals: Sequence[torch.Tensor], ids: torch.Tensor, scored: torch.Tensor) -> list[float]:

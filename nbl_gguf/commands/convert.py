@@ -484,17 +484,20 @@ def check_windows(args, source, n_layer: int) -> int | None:
     return ctx
 
 
-def window_layers(args, source, layers, ctx: int, count: int | None = None, size: int | None = None):
+def window_layers(args, source, layers, ctx: int, count: int | None = None, size: int | None = None,
+                  recall_of: int | None = None):
     """calibration.windows.choose_windows of ``count`` layers (default --windows) of a window of ``size``
     tokens (default --window-size) on each bundled kind's selection text, on top of ``layers``' replaced
-    layers (their maps as the file carries them)."""
+    layers (their maps as the file carries them). ``recall_of``: also the global_recall of the first that many
+    of its order (no more than the retrieval walk kept), on probes in repeated filler (the choice's
+    global_recall; none of fewer than two layers: nothing to trade)."""
     import torch
 
     from nbl_gguf import models
-    from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, ATTN_TAPS
+    from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, ATTN_TAPS, ATTN_WINDOW
     from nbl_gguf.calibration.dataset import KINDS, bundled_selection_windows
     from nbl_gguf.calibration.stream import LayerStream
-    from nbl_gguf.calibration.windows import Window, choose_windows, retrieval_probes
+    from nbl_gguf.calibration.windows import Window, choose_windows, global_recall, repeated_filler, retrieval_probes
     from nbl_gguf.gguf import nbl_format
 
     count = args.windows if count is None else count
@@ -516,7 +519,15 @@ def window_layers(args, source, layers, ctx: int, count: int | None = None, size
     window = Window(args.window_size if size is None else size, args.window_sinks)
     guard = {} if args.window_retrieval is None else \
         {"probes": retrieval_probes(stream.tokenizer, ids, window), "tolerance": args.window_retrieval}
-    return choose_windows(stream, ids, count, window, replaced=replaced, maps=maps, **guard)
+    choice = choose_windows(stream, ids, count, window, replaced=replaced, maps=maps, **guard)
+    if recall_of and choice.retrieval is not None:
+        recall_of = min(recall_of, len(choice.retrieval.kept))
+    if recall_of and recall_of > 1:
+        # the walk's seed 0 probes are in this text: other keys (seed 1) in filler of the same texts
+        probes = retrieval_probes(stream.tokenizer, repeated_filler(ids), window, seed=1)
+        choice.global_recall = global_recall(stream, probes, choice.order[:recall_of],
+                                             lambda k, t: window if t == ATTN_WINDOW else maps(k, t), replaced)
+    return choice
 
 
 def window_report(choice, layers) -> dict | None:
@@ -560,15 +571,17 @@ def budget_window_sizes(args, source, ctx: int) -> tuple[int, ...]:
 
 def budget_window_order(args, source, n_layer: int, ctx: int, size: int, needed: int | None = None):
     """(the layers in the order they are best made window layers of ``size`` tokens, how many of them the
-    retrieval walk kept) (calibration.windows.WindowChoice.order: each measured alone on the stock model, and
-    walked with the retrieval probes unless --window-retrieval off, as far as ``needed`` kept layers; the
-    count is None without the walk)."""
+    retrieval walk kept, the GlobalRecall of the largest set a candidate can take without a refused layer)
+    (calibration.windows.WindowChoice.order: each measured alone on the stock model, and walked with the
+    retrieval probes unless --window-retrieval off, as far as ``needed`` kept layers; the count and the recall
+    are None without the walk)."""
     from nbl_gguf.gguf import nbl_format
 
     stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
-    choice = window_layers(args, source, stock, ctx, count=1 if args.window_retrieval is None else needed or n_layer,
-                           size=size)
-    return choice.order, (len(choice.retrieval.kept) if choice.retrieval is not None else None)
+    if args.window_retrieval is None:
+        return window_layers(args, source, stock, ctx, count=1, size=size).order, None, None
+    choice = window_layers(args, source, stock, ctx, count=needed or n_layer, size=size, recall_of=needed or n_layer)
+    return choice.order, len(choice.retrieval.kept), choice.global_recall
 
 
 # --- --kv-budget ---------------------------------------------------------------------------------------
@@ -634,15 +647,16 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
         layers = chosen_layers(artifact, layer_choice(args, m), method, n_layer, taps)
         order += sorted(set(layers) - set(order))
     windows_at = [(size, args.window_sinks) for size in budget.window_sizes]
-    window_order, window_kept = None, None
+    window_order, window_kept, recall = None, None, None
     if windows_at:
-        # one order, at the largest window (its retrieval walk keeps the most layers); a smaller window's loss of
-        # recall is what the passkey test of each candidate sees (--kv-budget-passkey)
+        # one order and one recall ranking, at the largest window (its retrieval walk keeps the most layers); a
+        # smaller window's loss of recall is what the passkey test of each candidate sees (--kv-budget-passkey)
         largest = max(windows_at)
-        window_order, window_kept = budget_window_order(
+        window_order, window_kept, recall = budget_window_order(
             args, source, n_layer, budget.eval_ctx, largest[0],
             needed=kv_budget.windows_needed(budget.model, budget.n_ctx, budget.bytes, largest))
-    found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order, window_order, windows_at, window_kept)
+    found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order, window_order, windows_at, window_kept,
+                                 recall.ranking if recall is not None else ())
     if not found:
         deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order)
         raise NblError(f"--kv-budget {args.kv_budget} at {budget.n_ctx:,} tokens: the layers the calibration chose "
@@ -655,6 +669,8 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
             continue
         # a prefix of its order: the same file serves that prefix at every cache type
         name = f"w{len(candidate.windows)}-{candidate.window[0]}" if candidate.windows else f"m{candidate.m}"
+        if candidate.recall_globals:
+            name += "-g" + "-".join(map(str, candidate.recall_globals))
         path = files[candidate] = tmp / f"budget-{name}.gguf"
         if not path.is_file():
             surgery(stock, path, budget_layers(candidate, artifact, args, source, method, n_layer, taps), args, imatrix)
@@ -666,10 +682,13 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
                                                     recall_depths=depths)
     report = {"bytes": budget.bytes, "n_ctx": budget.n_ctx, "eval_ctx": budget.eval_ctx, "chunks": BUDGET_CHUNKS,
               "stock_ppl": base, "passkey_depths": list(depths), "stock_passkey_found": stock_found,
+              "window_recall": recall.report() if recall is not None else None,
               "candidates": [{"label": r.candidate.label, "kv_type": r.candidate.kv_type, "m": r.candidate.m,
                               "layers": list(r.candidate.layers), "windows": list(r.candidate.windows),
                               "window": list(r.candidate.window) if r.candidate.windows else None,
                               "refused_windows": list(r.candidate.refused),
+                              "recall_globals": list(r.candidate.recall_globals),
+                              "recall_windowed": list(r.candidate.recall_windowed),
                               "kv_bytes": r.candidate.kv_bytes, "passkey_found": r.found,
                               "perplexity": r.perplexity, "change_pct": r.change_pct} for r in measured]}
     return measured[0].candidate, report

@@ -146,6 +146,12 @@ class Summary:
         if any(c.get("refused_windows") for c in b["candidates"]):
             lines.append("    (a candidate with window layers the retrieval walk refused ranks after those without: "
                          "perplexity cannot see recall beyond the window)")
+        recall = b.get("window_recall")
+        if recall:
+            best = ", ".join(f"{layer} ({recall['losses'][str(layer)]:.3f})" for layer in recall["ranking"][:4])
+            lines.append(f"    recall each window layer gives back made global alone (answer loss on facts in repeated "
+                         f"filler, {recall['base_loss']:.3f} with all {len(recall['windows'])}): {best}, ...; the "
+                         f"candidates 'global for recall' keep such layers global in place of the window order's")
         if stock_found is not None:
             lines.append(f"    passkey: a number hidden in filler text at {asked} depths of a {b['eval_ctx']:,}-token "
                          f"prompt, each file with its cache type; stock (F16) found {stock_found}/{asked}, and a "

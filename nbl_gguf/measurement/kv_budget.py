@@ -22,6 +22,11 @@ and the stock file also take the passkey test (measurement.passkey) at the measu
 llama.cpp with the candidate's own cache type, which the walk (PyTorch, no quantized cache) cannot see; a
 candidate that finds fewer keys than stock ranks after those that find as many, and among those that find
 fewer, one that finds more ranks first.
+
+Which layers a window candidate keeps global is a trade the window order alone gets wrong: its probes are
+facts in running text, which barely tell window sets apart, while a passkey is a number in filler. So each
+window candidate also comes with layers kept global by the recall they give back (swap_globals: a
+leave-one-out on probes in repeated filler), measured like the others.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class Candidate:
     windows: tuple[int, ...] = ()  # window layers, a prefix of their measured order
     window: tuple[int, int] | None = None  # (W, sinks) of the window layers
     refused: tuple[int, ...] = ()  # window layers the retrieval walk refused (they lose recall beyond W)
+    recall_globals: tuple[int, ...] = ()  # layers kept global for recall in place of the window order's (swap_globals)
+    recall_windowed: tuple[int, ...] = ()  # the layers the window order kept global, windowed for them
 
     @property
     def m(self) -> int:
@@ -72,7 +79,9 @@ class Candidate:
         else:
             what = "stock" if self.is_stock else f"NBL m = {self.m}"
         refused = f" (refused by the retrieval walk: {', '.join(map(str, self.refused))})" if self.refused else ""
-        return f"{what}, KV {self.kv_type}{refused}"
+        swapped = (f", {', '.join(map(str, self.recall_globals))} global for recall (windowed: "
+                   f"{', '.join(map(str, self.recall_windowed))})") if self.recall_globals else ""
+        return f"{what}, KV {self.kv_type}{swapped}{refused}"
 
 
 def kv_bytes(model: KvModel, n_ctx: int, kv_type: str, replaced=(), windows=(), window=None) -> int:
@@ -131,14 +140,15 @@ def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int) -> int:
 
 
 def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int], window_order: list[int] | None = None,
-               windows_at: Sequence[tuple[int, int]] = (), window_kept: int | None = None) -> list[Candidate]:
+               windows_at: Sequence[tuple[int, int]] = (), window_kept: int | None = None,
+               recall_ranking: Sequence[int] = ()) -> list[Candidate]:
     """Per cache type, the shortest prefix of ``order`` whose cache fits the budget (none where no prefix does);
     with ``window_order``, also, for each window ``windows_at`` = [(W, sinks), ...], the shortest prefix of it
     made window layers of that window that fits (from one window layer: no window layer is the stock
-    candidate already). A smaller window is a candidate only where it needs fewer window layers than every
-    larger one of that cache type: with as many, the larger window attends to more at the same count.
-    ``window_kept``: how many of ``window_order`` the retrieval walk kept (the rest it refused), None where
-    there was no walk."""
+    candidate already), and its swap_globals with ``recall_ranking``. A smaller window is a candidate only
+    where it needs fewer window layers than every larger one of that cache type: with as many, the larger
+    window attends to more at the same count. ``window_kept``: how many of ``window_order`` the retrieval walk
+    kept (the rest it refused), None where there was no walk."""
     out = []
     for kv_type in KV_TYPES:
         for m in range(len(order) + 1):
@@ -154,9 +164,50 @@ def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int], window
                 size = kv_bytes(model, n_ctx, kv_type, windows=window_order[:k], window=window)
                 if size <= budget:
                     refused = () if window_kept is None else tuple(sorted(window_order[window_kept:k]))
-                    out.append(Candidate(kv_type, (), size, tuple(sorted(window_order[:k])), window, refused))
+                    found = Candidate(kv_type, (), size, tuple(sorted(window_order[:k])), window, refused)
+                    out.append(found)
+                    out += [swap for swap in swap_globals(found, recall_ranking)
+                            if kv_bytes(model, n_ctx, kv_type, windows=swap.windows, window=window) <= budget]
                     fewest = k
                     break
+    return out
+
+
+# how many of the layers that give back the most recall each get a candidate of their own (swap_globals); the one
+# that met Qwen2.5-Coder-0.5B's 10% target kept the second (docs/results/frontier.md)
+RECALL_SWAPS = 2
+
+
+def swap_globals(candidate: Candidate, recall_ranking: Sequence[int]) -> list[Candidate]:
+    """The candidate's window layers with other layers kept global for recall: ``recall_ranking`` orders a set
+    of the window order's first layers by the recall (answer loss on probes in repeated filler) each gives back
+    made global alone (calibration.windows.global_recall), the most first. The window order keeps global the
+    set's last layers; the walk's probes (facts in running text) barely see what a layer does for a number in
+    filler, so where the ranking disagrees, candidates that follow it: the ranking's first layers global
+    instead of the window order's (as many as it keeps global), and, for each of the ranking's first
+    RECALL_SWAPS that the order windows, that layer global for the one of the order's globals that gives back
+    the least (one swap: a layer that windowing helps on text can be the one recall needs most, and which is
+    worth more is measured). None where the candidate windows every layer of the set or holds a refused one."""
+    ranked = list(recall_ranking)
+    windows = set(candidate.windows)
+    kept_global = [i for i in ranked if i not in windows]
+    if not kept_global or candidate.refused:
+        return []
+    swaps = [tuple(ranked[:len(kept_global)])]
+    least = kept_global[-1]  # of the order's globals in the set, the one that gives back the least
+    swaps += [(layer,) for layer in ranked[:RECALL_SWAPS] if layer in windows and (layer,) != swaps[0]]
+    out = []
+    for recall_globals in swaps:
+        windowed = tuple(sorted(set(kept_global) - set(recall_globals))) if len(recall_globals) > 1 else (least,)
+        if set(recall_globals) <= set(kept_global):
+            continue  # the order keeps them global already
+        if len(recall_globals) > 1:
+            recall_globals = tuple(sorted(set(recall_globals) - set(kept_global)))
+        layers = tuple(sorted(windows - set(recall_globals) | set(windowed)))
+        if any(c.windows == layers for c in out):
+            continue
+        out.append(replace(candidate, windows=layers, recall_globals=tuple(sorted(recall_globals)),
+                           recall_windowed=windowed))
     return out
 
 
