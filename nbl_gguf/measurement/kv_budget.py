@@ -193,21 +193,18 @@ def swap_globals(candidate: Candidate, recall_ranking: Sequence[int]) -> list[Ca
     kept_global = [i for i in ranked if i not in windows]
     if not kept_global or candidate.refused:
         return []
-    swaps = [tuple(ranked[:len(kept_global)])]
+    # (made global, windowed for them): the ranking's globals for the order's, then the single swaps
+    first = set(ranked[:len(kept_global)])
     least = kept_global[-1]  # of the order's globals in the set, the one that gives back the least
-    swaps += [(layer,) for layer in ranked[:RECALL_SWAPS] if layer in windows and (layer,) != swaps[0]]
+    swaps = [(first - set(kept_global), set(kept_global) - first)]
+    swaps += [({layer}, {least}) for layer in ranked[:RECALL_SWAPS] if layer in windows]
     out = []
-    for recall_globals in swaps:
-        windowed = tuple(sorted(set(kept_global) - set(recall_globals))) if len(recall_globals) > 1 else (least,)
-        if set(recall_globals) <= set(kept_global):
-            continue  # the order keeps them global already
-        if len(recall_globals) > 1:
-            recall_globals = tuple(sorted(set(recall_globals) - set(kept_global)))
-        layers = tuple(sorted(windows - set(recall_globals) | set(windowed)))
-        if any(c.windows == layers for c in out):
-            continue
-        out.append(replace(candidate, windows=layers, recall_globals=tuple(sorted(recall_globals)),
-                           recall_windowed=windowed))
+    for made_global, windowed in swaps:
+        layers = tuple(sorted(windows - made_global | windowed))
+        if not made_global or any(c.windows == layers for c in out):
+            continue  # the order keeps them global already, or a swap already made
+        out.append(replace(candidate, windows=layers, recall_globals=tuple(sorted(made_global)),
+                           recall_windowed=tuple(sorted(windowed))))
     return out
 
 
