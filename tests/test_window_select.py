@@ -43,6 +43,49 @@ def test_window_attention_matches_the_reference_masks(implementation):
     assert np.abs(np.stack(steps) - want[40:]).max() < 1e-4
 
 
+@pytest.mark.parametrize("size, sinks, block", [(37, 3, 1), (37, 3, 7), (37, 40, 16), (5, 0, 64), (300, 4, 32),
+                                                 (37, 3, 1000)])
+def test_windowed_attention_equals_the_dense_mask(size, sinks, block):
+    """Blocks of queries over the sinks and the window before them: the keys window_visible shows, no other
+    (sinks past the window's start, no sinks, a window longer than the sequence, one block for all)."""
+    from nbl_gguf.calibration.apply import window_visible, windowed_attention
+
+    generator = torch.Generator().manual_seed(size + sinks + block)
+    query = torch.randn(2, 8, 300, 16, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(2, 2, 300, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    positions = torch.arange(300)
+    visible = window_visible(positions, positions, size, sinks)
+    scores = (query @ key.repeat_interleave(4, 1).transpose(-1, -2) / 4).masked_fill(~visible, float("-inf"))
+    want = scores.softmax(-1) @ value.repeat_interleave(4, 1)
+    got = windowed_attention(query, key, value, size, sinks, scale=0.25, block=block)
+    assert (got - want).abs().max() < 1e-12
+
+
+def test_a_long_window_layer_runs_by_blocks_and_matches_the_reference(monkeypatch):
+    """Past WINDOW_BLOCK tokens with no cache before them, a window layer of an sdpa model runs windowed_attention
+    (counted) and gives the reference's logits; eager, or a mask of the model's own, keeps the dense mask."""
+    from nbl_gguf.calibration import apply
+
+    tiny = TinyLlama(n_layer=4, n_head=8, n_head_kv=2, n_ctx_train=1024, seed=3)
+    windows = nbl_format.Windows(layers=(0, 2), size=6, sinks=2)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(3, tiny.n_vocab, 70)]
+    want = tiny.forward(tokens, windows=windows)
+    monkeypatch.setattr(apply, "WINDOW_BLOCK", 8)
+    calls = []
+    blocked = apply.windowed_attention
+    monkeypatch.setattr(apply, "windowed_attention", lambda *a, **k: calls.append(a[3:5]) or blocked(*a, **k))
+    for implementation, runs in (("sdpa", [(6, 2), (6, 2)]), ("eager", [])):
+        model = tiny.hf_model()
+        model.config._attn_implementation = implementation
+        apply_nbl(model, {0: ATTN_WINDOW, 2: ATTN_WINDOW}, {0: windows, 2: windows})
+        calls.clear()
+        with torch.no_grad():
+            whole = model(torch.tensor([tokens])).logits[0].double().numpy()
+        assert calls == runs
+        assert np.abs(whole - want).max() < 1e-4
+        assert model.config._attn_implementation == implementation  # the model's config is left as it was
+
+
 @pytest.fixture(scope="module")
 def stream_and_model(tmp_path_factory):
     from nbl_gguf.calibration.stream import LayerStream
@@ -241,3 +284,26 @@ def test_repeated_filler_keeps_the_first_token_and_repeats_a_piece_of_each_text(
         assert out[row, 1:].tolist() == (unit * 8)[:49]
     with pytest.raises(NblError, match="more than 8 tokens"):
         repeated_filler(ids[:, :8], piece=7)
+
+
+def test_scored_nll_is_token_nll_at_the_scored_positions(stream_and_model):
+    """The head on the scored rows alone: the same values as the whole window's token_nll there, in row-major
+    order (windows.scored_loss's probes score a few answer tokens each)."""
+    stream, _, ids = stream_and_model
+    stream.prepare_embedding(ids)
+    try:
+        hidden = stream.embed(ids)
+    finally:
+        stream.release_embedding()
+    scored = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
+    scored[0, [3, 50, 94]] = True
+    scored[1, 10:14] = True
+    stream.load_head()
+    try:
+        whole = stream.token_nll(hidden, ids)
+        got = stream.scored_nll(hidden, ids, scored)
+    finally:
+        stream.release_head()
+    assert got.shape == (7,)
+    assert torch.allclose(got, whole[scored], atol=1e-6)
+    assert whole[scored].std() > 1e-3  # distinct values: the order is checked too

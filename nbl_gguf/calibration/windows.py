@@ -216,8 +216,9 @@ def scored_loss(stream, finals: Sequence[torch.Tensor], ids: torch.Tensor, score
     try:
         out = []
         for final in finals:
-            values = torch.cat([stream.token_nll(final[i:i + 1], ids[i:i + 1]) for i in range(ids.shape[0])])
-            out.append(float(values[scored].mean()))
+            values = torch.cat([stream.scored_nll(final[i:i + 1], ids[i:i + 1], scored[i:i + 1])
+                                for i in range(ids.shape[0])])
+            out.append(float(values.mean()))
         return out
     finally:
         stream.release_head()
