@@ -124,10 +124,18 @@ class _Interrupts:
             pass  # the signal came while the hook printed: CPython would swallow it here too
         # from another thread, a moment later: the handler runs in the next code the main thread runs, not
         # in this hook, where CPython would print it again, and not (most likely) in the same finalizer; if
-        # it lands in a finalizer again, this hook sends it again
-        timer = threading.Timer(0.001, _thread.interrupt_main, (self.signal_number,))
-        timer.daemon = True
-        timer.start()
+        # it lands in a finalizer again, this hook sends it again. On a loaded machine the timer can fire before
+        # start() returns here (start waits for the thread): then it is raised in this hook, where CPython drops
+        # it ("Exception ignored in sys.unraisablehook", the run went on: 1 test run in 3 under load), so send
+        # it again
+        while True:
+            try:
+                timer = threading.Timer(0.01, _thread.interrupt_main, (self.signal_number,))
+                timer.daemon = True
+                timer.start()
+                return
+            except KeyboardInterrupt:
+                continue
 
     def __enter__(self):
         # signal handlers belong to the main thread (cli.main called from a worker thread keeps the default)
