@@ -259,7 +259,7 @@ def test_global_recall_equals_the_whole_model_with_each_layer_global_in_turn(str
     linear = {1: ((0.1 * rng.standard_normal((32, 32))).astype(np.float32), (0.1 * rng.standard_normal(32)).astype(np.float32))}
     windows = (4, 0, 3)
 
-    recall = global_recall(stream, probes, windows, lambda k, t: window if t == ATTN_WINDOW else linear[k], replaced)
+    recall = global_recall(stream, probes, windows, window, replaced=replaced, maps=lambda k, _type: linear[k])
     every = {**replaced, **{i: ATTN_WINDOW for i in windows}}
     maps = {**linear, **{i: window for i in windows}}
     assert recall.base_loss == pytest.approx(whole_model_answer_loss(model, probes, every, maps), abs=1e-5)

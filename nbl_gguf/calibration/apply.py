@@ -6,6 +6,7 @@ calling conventions exactly and keeps the linear maps in float32 whatever the mo
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -167,8 +168,8 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """Attention of a whole sequence with no cache before it (query [b, heads, n, d], key and value [b,
     kv heads, n, d], grouped heads repeated) over window_visible's keys only, [b, heads, n, d]. A dense
     mask makes scaled_dot_product_attention score every pair of positions, n^2, most of them masked: by blocks
-    of queries it scores n x (sinks + size + block), 5x fewer at 4,096 tokens and a window of 512 (the loss
-    of the window layers' trials was 73% of the walk's time on Qwen2.5-Coder-0.5B). The same keys are
+    of queries it scores n x (sinks + size + block), 5x fewer at 4,096 tokens and a window of 512 (the window
+    layers' attention was 73% of the budget's leave-one-out time on Qwen2.5-Coder-0.5B). The same keys are
     visible, so the result is the dense one up to the order of the sums."""
     block = block or WINDOW_BLOCK
     groups = query.shape[1] // key.shape[1]
@@ -192,23 +193,19 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 WINDOW_ATTENTION = "nbl-window"  # transformers' attention function of a window layer (_window_attention_function)
 
 
-def _window_attention_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention interface for a window layer: windowed_attention where WindowAttention asks for it
-    (``nbl_window`` = (size, sinks)), else the model's own attention function (``nbl_base_attention`` of the
-    config WindowAttention gives the module for the call)."""
-    window = kwargs.pop("nbl_window", None)
-    if window is None:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import eager_attention_forward
-
-        base = ALL_ATTENTION_FUNCTIONS.get_interface(module.config.nbl_base_attention, eager_attention_forward)
-        return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    out = windowed_attention(query, key, value, window[0], window[1], scale=scaling)
+def _window_attention_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, nbl_window,
+                               **kwargs):
+    """transformers' attention interface for a window layer: windowed_attention of ``nbl_window`` = (size, sinks).
+    Only WindowAttention's call names it (through the config it gives the module for that call), always with
+    the window."""
+    out = windowed_attention(query, key, value, nbl_window[0], nbl_window[1], scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def _register_window_attention() -> bool:
-    """Whether transformers takes attention functions by name (AttentionInterface: 4.48 and later)."""
+    """Whether transformers takes attention functions by name (AttentionInterface: 4.48 and later); registers
+    ours once."""
     try:
         from transformers import AttentionInterface
     except ImportError:
@@ -229,25 +226,22 @@ class WindowAttention(nn.Module):
         if size < 1 or sinks < 0:
             raise NblError(f"layer {layer_idx}: a window of {size} tokens with {sinks} sinks")
         self.attention, self.size, self.sinks, self.layer_idx = attention, int(size), int(sinks), layer_idx
-        self._blocked = None  # (the module's config, its implementation, the copy naming WINDOW_ATTENTION)
+        self._blocked = None  # (the module's config, the copy naming WINDOW_ATTENTION)
 
     def blocked_config(self):
-        """A copy of the module's config that names the windowed attention (the model's own kept as
-        nbl_base_attention), or None where the model's attention is neither sdpa nor eager or transformers
-        takes no attention function by name."""
+        """A copy of the module's config that names the windowed attention, or None where the model's attention
+        is neither sdpa nor eager or transformers takes no attention function by name."""
         config = getattr(self.attention, "config", None)
-        implementation = getattr(config, "_attn_implementation", None)
-        if implementation not in ("sdpa", "eager") or not _register_window_attention():
+        if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager") or not _register_window_attention():
             return None
-        if self._blocked is None or self._blocked[0] is not config or self._blocked[1] != implementation:
+        if self._blocked is None or self._blocked[0] is not config:
             import copy
 
             blocked = copy.copy(config)
-            blocked.nbl_base_attention = implementation
             # not through the setter: it would also set the sub-configs, which the copy shares
             blocked._attn_implementation_internal = WINDOW_ATTENTION
-            self._blocked = (config, implementation, blocked)
-        return self._blocked[2]
+            self._blocked = (config, blocked)
+        return self._blocked[1]
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
         cache = _cache(past_key_values, kwargs)

@@ -227,24 +227,17 @@ class LayerStream:
     def token_nll(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Next-token NLL [windows, seqlen - 1] (float64, CPU) of windows ``ids`` whose last layer's output
         is ``hidden``: the model's final norm, its head and logit soft-capping, as its forward computes them."""
-        hidden = hidden.to(self.device)
-        _, _, out = self._forward_base(torch.zeros_like(hidden), inject=hidden)
-        normed = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        head = self.model.get_output_embeddings()
+        normed = self._final_norm(hidden)
         ids = ids.to(self.device)
         seqlen = ids.shape[1]
         values = torch.empty(ids.shape[0], seqlen - 1, dtype=torch.float64)
-        with torch.no_grad():
-            for start in range(0, seqlen - 1, LOSS_POSITIONS):
-                stop = min(seqlen - 1, start + LOSS_POSITIONS)
-                # as rows of a 2-D matrix: a slice along the positions keeps the window's batch stride,
-                # and with it torch's bf16 CPU matmul left its fast path (10x slower at the 8B shape)
-                logits = head(normed[:, start:stop].reshape(-1, normed.shape[-1]))
-                if self.softcap is not None:
-                    logits = torch.tanh(logits / self.softcap) * self.softcap
-                nll = torch.nn.functional.cross_entropy(logits.float(), ids[:, start + 1:stop + 1].reshape(-1),
-                                                        reduction="none")
-                values[:, start:stop] = nll.reshape(ids.shape[0], stop - start).double().cpu()
+        for start in range(0, seqlen - 1, LOSS_POSITIONS):
+            stop = min(seqlen - 1, start + LOSS_POSITIONS)
+            # as rows of a 2-D matrix: a slice along the positions keeps the window's batch stride,
+            # and with it torch's bf16 CPU matmul left its fast path (10x slower at the 8B shape)
+            nll = self._head_nll(normed[:, start:stop].reshape(-1, normed.shape[-1]),
+                                 ids[:, start + 1:stop + 1].reshape(-1))
+            values[:, start:stop] = nll.reshape(ids.shape[0], stop - start).double().cpu()
         return values
 
     def scored_nll(self, hidden: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -252,17 +245,23 @@ class LayerStream:
         (float64, CPU): the head runs on those rows alone. A retrieval probe scores a few answer tokens of
         thousands: the full head on every position (Qwen2.5's vocabulary: 1.1 TFLOP a 4,096-token window) was
         most of each probe's cost."""
+        scored = scored.to(self.device)
+        normed = self._final_norm(hidden)
+        return self._head_nll(normed[:, :-1][scored], ids.to(self.device)[:, 1:][scored]).double().cpu()
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final norm of a last layer's output ``hidden``, as its forward applies it."""
         hidden = hidden.to(self.device)
         _, _, out = self._forward_base(torch.zeros_like(hidden), inject=hidden)
-        normed = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        scored = scored.to(self.device)
-        head = self.model.get_output_embeddings()
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def _head_nll(self, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The NLL of ``targets`` [rows] under the head (and soft-capping) of normed hidden ``rows`` [rows, d]."""
         with torch.no_grad():
-            logits = head(normed[:, :-1][scored])
+            logits = self.model.get_output_embeddings()(rows)
             if self.softcap is not None:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
-            nll = torch.nn.functional.cross_entropy(logits.float(), ids.to(self.device)[:, 1:][scored], reduction="none")
-        return nll.double().cpu()
+            return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
 
 
 def batches(count: int, batch_size: int):

@@ -195,17 +195,24 @@ class GlobalRecall:
                 "losses": {str(k): v for k, v in sorted(self.losses.items())}, "ranking": self.ranking}
 
 
-def global_recall(stream, probes: RetrievalProbes, windows: Sequence[int], layer_map: Callable,
-                  replaced: Mapping[int, int] | None = None) -> GlobalRecall:
-    """GlobalRecall of the window layers ``windows`` on ``probes``, on top of ``replaced`` (one pass of
-    the stream: the variants share their track up to the first layer where they differ)."""
+def window_layer_map(window: Window, maps: Callable | None) -> Callable:
+    """The variant evaluator's ``linear(layer, type)``: ``window`` for a window layer, else ``maps(layer, type)``
+    (the replaced layers' maps)."""
+    return lambda layer, layer_type: window if layer_type == ATTN_WINDOW else maps(layer, layer_type)
+
+
+def global_recall(stream, probes: RetrievalProbes, windows: Sequence[int], window: Window, *,
+                  replaced: Mapping[int, int] | None = None, maps: Callable | None = None) -> GlobalRecall:
+    """GlobalRecall of the window layers ``windows`` (of ``window``) on ``probes``, on top of ``replaced``
+    (their maps from ``maps(layer, type)``, as choose_windows) (one pass of the stream: the variants share
+    their track up to the first layer where they differ)."""
     from nbl_gguf.calibration.variants import run_variants
 
     replaced = dict(replaced or {})
     windows = tuple(windows)
     whole = {**replaced, **{i: ATTN_WINDOW for i in windows}}
     variants = [whole] + [{k: t for k, t in whole.items() if k != layer} for layer in windows]
-    losses = answer_loss(stream, run_variants(stream, probes.ids, variants, layer_map), probes)
+    losses = answer_loss(stream, run_variants(stream, probes.ids, variants, window_layer_map(window, maps)), probes)
     return GlobalRecall(windows, losses[0], dict(zip(windows, losses[1:])))
 
 
@@ -315,9 +322,7 @@ def choose_windows(stream, ids: torch.Tensor, count: int, window: Window, *, rep
         raise NblError(f"window layers measured on {ids.shape[1]} tokens: a window of {window.size} only shows "
                        f"beyond {window.size} tokens, so measure at least {2 * window.size + 1} (a longer context)")
 
-    def layer_map(layer: int, layer_type: int):
-        return window if layer_type == ATTN_WINDOW else maps(layer, layer_type)
-
+    layer_map = window_layer_map(window, maps)
     variants = [replaced] + [{**replaced, i: ATTN_WINDOW} for i in pool]
     losses = second_half_loss(stream, run_variants(stream, ids, variants, layer_map), ids)
     base = losses[0]

@@ -494,7 +494,7 @@ def window_layers(args, source, layers, ctx: int, count: int | None = None, size
     import torch
 
     from nbl_gguf import models
-    from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, ATTN_TAPS, ATTN_WINDOW
+    from nbl_gguf.calibration.apply import ATTN_DROP, ATTN_LINEAR, ATTN_TAPS
     from nbl_gguf.calibration.dataset import KINDS, bundled_selection_windows
     from nbl_gguf.calibration.stream import LayerStream
     from nbl_gguf.calibration.windows import Window, choose_windows, global_recall, repeated_filler, retrieval_probes
@@ -525,8 +525,8 @@ def window_layers(args, source, layers, ctx: int, count: int | None = None, size
     if recall_of and recall_of > 1:
         # the walk's seed 0 probes are in this text: other keys (seed 1) in filler of the same texts
         probes = retrieval_probes(stream.tokenizer, repeated_filler(ids), window, seed=1)
-        choice.global_recall = global_recall(stream, probes, choice.order[:recall_of],
-                                             lambda k, t: window if t == ATTN_WINDOW else maps(k, t), replaced)
+        choice.global_recall = global_recall(stream, probes, choice.order[:recall_of], window, replaced=replaced,
+                                             maps=maps)
     return choice
 
 

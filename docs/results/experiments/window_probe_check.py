@@ -55,7 +55,7 @@ def main() -> int:
     from nbl_gguf.calibration.dataset import KINDS, bundled_selection_windows
     from nbl_gguf.calibration.stream import LayerStream
     from nbl_gguf.calibration.variants import run_variants
-    from nbl_gguf.calibration.windows import Window, retrieval_probes
+    from nbl_gguf.calibration.windows import Window, repeated_filler, retrieval_probes
     from nbl_gguf.measurement import passkey as pk
     from nbl_gguf.model_source import resolve_model
 
@@ -80,10 +80,7 @@ def main() -> int:
     depths = tuple(float(x) for x in args.depths.split(","))
 
     ids, _ = bundled_selection_windows(tokenizer, {kind: 1 for kind in KINDS}, args.ctx)
-    repeated = ids.clone()
-    for row in range(ids.shape[0]):  # one sentence-sized piece of each text, repeated
-        unit = ids[row, 1:25]
-        repeated[row, 1:] = unit.repeat(args.ctx // len(unit) + 1)[:args.ctx - 1]
+    repeated = repeated_filler(ids)  # one sentence-sized piece of each text, repeated
     kinds = set(args.kinds.split(","))
     sets = {}
     if "probes" in kinds:
