@@ -15,8 +15,9 @@ for arg in "$@"; do
     fi
 done
 bash "$root/scripts/setup.sh" --no-run
-# the unpatched libllama, for the test that a stock GGUF is unchanged by the patch
-cmake --build "${NBL_GGUF_BUILD:-$root/build}" --target llama-stock -j "$(nproc)"
+# the unpatched libllama, for the test that a stock GGUF is unchanged by the patch; ggml's operator test,
+# and a check of the patched CPU kernel
+cmake --build "${NBL_GGUF_BUILD:-$root/build}" --target llama-stock nbl-test-backend-ops nbl-flash-attn-paths -j "$(nproc)"
 cd "$root"
 workers=${NBL_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 if [ "$workers" -gt 1 ]; then

@@ -14,8 +14,8 @@ PATCHES = sorted((ROOT / "patches").glob("*.patch"))
 SCRIPT = ROOT / "cmake" / "apply_patches.cmake"
 
 
-# the parts of llama.cpp the series may touch: libllama and the tools
-PATCHED_DIRS = ("src", "tools")
+# the parts of llama.cpp the series may touch: libllama, the tools and the CPU backend's kernels
+PATCHED_DIRS = ("src", "tools", "ggml/src/ggml-cpu")
 
 
 def pristine_tree(tmp_path: Path) -> Path:
@@ -34,11 +34,12 @@ def apply(tree: Path, patch_dir: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_series_touches_only_src_and_applies_to_the_pinned_tree(tmp_path):
+def test_series_touches_only_its_dirs_and_applies_to_the_pinned_tree(tmp_path):
     assert [p.name[:4] for p in PATCHES] == [f"{i:04d}" for i in range(1, len(PATCHES) + 1)]
     for patch in PATCHES:
-        touched = [line.split()[2] for line in patch.read_text().splitlines() if line.startswith("diff --git")]
-        assert touched and all(path.split("/")[1] in PATCHED_DIRS for path in touched), patch.name
+        touched = [line.split()[2].removeprefix("a/") for line in patch.read_text().splitlines()
+                   if line.startswith("diff --git")]
+        assert touched and all(path.startswith(tuple(d + "/" for d in PATCHED_DIRS)) for path in touched), patch.name
 
     tree = pristine_tree(tmp_path)
     result = apply(tree, ROOT / "patches")
