@@ -384,8 +384,8 @@ def convert(args) -> Summary:
         if args.ctx_size:  # the context the selection reported its saving at
             contexts = sorted({SUMMARY_CTX, args.ctx_size})
         types = layers.types
+        output_reader = gguf.GGUFReader(output)  # about 2 s for a 49K-token vocabulary: read once
         if layers.windows is not None:  # the file's own window layers: its sliding cache beside the global one
-            output_reader = gguf.GGUFReader(output)
             kv = {n_ctx: kv_sizes(output_reader, n_ctx, kv_type=kv_type) for n_ctx in contexts}
         else:
             kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types, kv_type=kv_type) for n_ctx in contexts}
@@ -401,7 +401,7 @@ def convert(args) -> Summary:
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
             kv=kv, kv_type=kv_type, budget=budget_report, output=output, runtime=args.runtime, resources=meter.stages,
             windows=window_report(windows, layers),
-            taps_state_bytes=(taps_state(gguf.GGUFReader(output), types) or {}).get("state_bytes_per_sequence", 0),
+            taps_state_bytes=(taps_state(output_reader, types) or {}).get("state_bytes_per_sequence", 0),
         )
 
 

@@ -160,13 +160,18 @@ def mean_speeds(records: list[dict]) -> dict[str, dict[str, float]]:
     return {label: {key: sum(v) / len(v) for key, v in keys.items()} for label, keys in sums.items()}
 
 
-def kv_bytes(path: Path, kv_type: str, n_ctx: int) -> int:
-    """The KV cache llama.cpp allocates for the file at ``n_ctx`` with that cache type (llama-cli's settings)."""
+def kv_bytes(path: Path, kv_type: str, n_ctx: int, readers: dict | None = None) -> int:
+    """The KV cache llama.cpp allocates for the file at ``n_ctx`` with that cache type (llama-cli's settings).
+    ``readers``: the files read so far, by path (gguf-py takes about 2 s to read a 49K-token vocabulary,
+    and the variants of one file share it)."""
     import gguf
 
     from nbl_gguf.gguf.metadata import kv_sizes
 
-    _, size = kv_sizes(gguf.GGUFReader(path), n_ctx, kv_type=kv_type)
+    readers = {} if readers is None else readers
+    if path not in readers:
+        readers[path] = gguf.GGUFReader(path)
+    _, size = kv_sizes(readers[path], n_ctx, kv_type=kv_type)
     return size.bytes
 
 
@@ -180,10 +185,11 @@ def measure(variants: list[Variant], texts: dict[str, Path], settings: FrontierS
     perplexities = measure_perplexity(variants, texts, settings, log)
     records, commands = measure_speed(variants, settings, log)
     speeds = mean_speeds(records)
-    rows = []
+    rows, readers = [], {}
     for variant in variants:
         measured = perplexities[variant.label]
-        rows.append(Row(variant, variant.path.stat().st_size, kv_bytes(variant.path, variant.kv_type, settings.kv_ctx),
+        rows.append(Row(variant, variant.path.stat().st_size,
+                        kv_bytes(variant.path, variant.kv_type, settings.kv_ctx, readers),
                         perplexity={ctx: {k: p.ppl for k, p in kinds.items()} for ctx, kinds in measured.items()},
                         tokens={ctx: {k: p.tokens for k, p in kinds.items()} for ctx, kinds in measured.items()},
                         speed=speeds.get(variant.label, {})))
