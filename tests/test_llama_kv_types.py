@@ -6,6 +6,9 @@ test_llama_nbl and test_llama_taps."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+
 import numpy as np
 import pytest
 from _llama_context import Context
@@ -67,8 +70,6 @@ def test_prompt_batches_read_a_quantized_cache_as_decoding_does():
     quantized caches take it (2.6-4.7x faster 4,096-token perplexities on a 2-core CPU) and rounds Q as the
     per-row path does. Per K/V pair, the tiled result against the CPU backend's reference (the per-row path):
     not identical (else the tiled path was not taken), equal to float rounding (tests/native/flash_attn_paths.cpp)."""
-    import subprocess
-
     program = llamacpp.bin_dir() / "nbl-flash-attn-paths"
     assert program.is_file(), "build it: cmake --build build --target nbl-flash-attn-paths (scripts/test.sh does)"
     lines = subprocess.run([program], capture_output=True, text=True, check=True).stdout.splitlines()
@@ -84,9 +85,6 @@ def test_prompt_batches_read_a_quantized_cache_as_decoding_does():
 def test_ggml_operator_test_passes_flash_attention_of_quantized_caches():
     """ggml's own operator test (test-backend-ops) on the CPU backend against its reference path, for flash
     attention with q8_0 and q4_0 caches, the cases of 64 queries and more among them (the tiled path)."""
-    import re
-    import subprocess
-
     program = llamacpp.bin_dir() / "test-backend-ops"
     assert program.is_file(), "build it: cmake --build build --target nbl-test-backend-ops (scripts/test.sh does)"
     result = subprocess.run([program, "test", "-b", "CPU", "-o", "FLASH_ATTN_EXT", "-p", "type_K=q[48]_0"],
