@@ -85,40 +85,41 @@ def resolve_model(model: str | None, *, runnable: Collection[str] | None = None,
     return ModelSource(model.rstrip("/").split("/")[-1], folder)
 
 
-def read_gguf(path: Path, *, runnable: Collection[str] | None = None, calibrating: bool = True) -> GgufFile:
-    """The header of the model GGUF at ``path``, checked; a clear NblError for anything else."""
+def read_gguf(path: Path, *, runnable: Collection[str] | None = None, calibrating: bool = True,
+              flag: str = "--model") -> GgufFile:
+    """The header of the model GGUF at ``path``, checked; a clear NblError (naming ``flag``) for anything else."""
     import gguf
 
     with open(path, "rb") as handle:
         magic = handle.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
-        raise NblError(f"--model {path} is a file but not a GGUF (it does not start with 'GGUF'): "
+        raise NblError(f"{flag} {path} is a file but not a GGUF (it does not start with 'GGUF'): "
                        f"pass a HF model folder, a hub id or a .gguf file")
     try:
         reader = gguf.GGUFReader(path)  # a tensor that runs past the end of the file fails here too
     except Exception as error:  # noqa: BLE001 - gguf-py fails in many ways on a damaged file
-        raise NblError(f"--model {path} is not a readable GGUF (truncated or damaged?): "
+        raise NblError(f"{flag} {path} is not a readable GGUF (truncated or damaged?): "
                        f"{type(error).__name__}: {error}") from error
     field = reader.fields.get("general.architecture")
     if field is None:
-        raise NblError(f"--model {path} has no general.architecture: not a model GGUF")
+        raise NblError(f"{flag} {path} has no general.architecture: not a model GGUF")
     arch = str(field.contents())
     if any(name.endswith(NBL_LAYER_TYPES_SUFFIX) for name in reader.fields):
-        raise NblError(f"--model {path} is already an NBL GGUF: start from the model's own GGUF")
+        raise NblError(f"{flag} {path} is already an NBL GGUF: start from the model's own GGUF")
     if runnable is not None and arch not in runnable:
-        raise NblError(f"--model {path} is a '{arch}' model; the patched llama.cpp runs NBL layers for "
+        raise NblError(f"{flag} {path} is a '{arch}' model; the patched llama.cpp runs NBL layers for "
                        f"{', '.join(runnable)} only")
     if calibrating:
         readable = transformers_gguf_architectures()
         if arch not in readable:
-            raise NblError(f"--model {path} is a '{arch}' model, which transformers' GGUF loader cannot read "
+            raise NblError(f"{flag} {path} is a '{arch}' model, which transformers' GGUF loader cannot read "
                            f"(it reads {', '.join(sorted(readable))}), so it cannot be calibrated from the file: "
                            f"pass its HF checkpoint instead, or a calibration made from it (--calibration)")
     try:
         n_layer = int(reader.fields[f"{arch}.block_count"].contents())
         n_embd = int(reader.fields[f"{arch}.embedding_length"].contents())
     except KeyError as error:
-        raise NblError(f"--model {path} has no {error.args[0]}") from error
+        raise NblError(f"{flag} {path} has no {error.args[0]}") from error
     return GgufFile(path, arch, n_layer, n_embd, _file_type(reader), file_sha256(path))
 
 

@@ -519,3 +519,35 @@ def test_convert_refuses_a_disk_too_small_for_the_intermediate_files(tiny_hf, tm
     assert listing(tmp_path / "out") == set()
     free["bytes"] = needed
     assert hf_to_gguf.check_conversion_space(tiny_hf, "f32", out.parent) == needed
+
+
+@needs_converter
+@needs_quantize
+def test_convert_cuts_the_nbl_file_from_a_given_stock_file(tiny_hf, tiny_artifact, tmp_path, capsys):
+    """--stock-gguf: the NBL file from the stock file given equals the one from convert's own conversion,
+    with no conversion made; a file of another type or shape, or beside an option that would make it
+    another way, is refused by name."""
+    from nbl_gguf.commands.convert import convert
+    from nbl_gguf.commands.model_files import stock_ladder
+
+    ladder = stock_ladder(tiny_hf, ["Q4_K_M", "Q8_0"], tmp_path, None, lambda text: None)
+    common = dict(model=str(tiny_hf), calibration=str(tiny_artifact), m=2, quant="Q4_K_M")
+    own = convert(convert_args(**common, output=str(tmp_path / "own.gguf")))
+    given = convert(convert_args(**common, stock_gguf=str(ladder["Q4_K_M"]), output=str(tmp_path / "given.gguf")))
+    assert (tmp_path / "own.gguf").read_bytes() == (tmp_path / "given.gguf").read_bytes()
+    assert "stock conversion" in own.resources and not {"stock conversion", "quantize stock"} & set(given.resources)
+    assert ladder["Q4_K_M"].is_file()  # the given file is not consumed
+
+    def fails(*argv) -> str:
+        assert cli.main(["convert", "--no-progress", "--no-eval", "--model", str(tiny_hf), "--calibration",
+                         str(tiny_artifact), "--m", "2", "-o", str(tmp_path / "x.gguf"), *argv]) == 2
+        return capsys.readouterr().err
+
+    assert f"--stock-gguf {ladder['Q8_0']} is not tiny-llama at Q4_K_M: type Q8_0 (the model's: Q4_K_M)" in \
+        fails("--quant", "q4_k_m", "--stock-gguf", str(ladder["Q8_0"]))
+    assert "--stock-gguf and --imatrix" in fails("--stock-gguf", str(ladder["Q4_K_M"]), "--imatrix")
+    assert "no such file" in fails("--stock-gguf", str(tmp_path / "none.gguf"))
+    (tmp_path / "text.gguf").write_text("not a model")
+    assert f"--stock-gguf {tmp_path / 'text.gguf'} is a file but not a GGUF" in fails("--stock-gguf",
+                                                                                     str(tmp_path / "text.gguf"))
+    assert not (tmp_path / "x.gguf").exists()

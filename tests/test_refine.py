@@ -347,3 +347,32 @@ def test_convert_refine_writes_the_refined_maps_and_says_so(tmp_path, monkeypatc
     assert moved > 1e-4  # the refinement moved the maps: the file could tell them apart
     record = json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))
     assert record["refine"]["layers"] == layers
+
+
+def test_refine_text_mix_trains_on_each_kind_alike_and_never_on_the_heldout_windows():
+    """--refine-text mix: a third of the pieces from each kind, in turn; the docs' and code's pieces are their
+    selection parts' windows after the ones the held-out windows took, token for token."""
+    from transformers import AutoTokenizer
+
+    from nbl_gguf import models
+    from nbl_gguf.calibration.dataset import bundled_selection_windows, build_windows, kind_texts
+    from nbl_gguf.calibration.refine import training_pieces_of
+
+    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
+    seqlen, piece = 1024, 256
+    calib = torch.arange(6 * seqlen).reshape(6, seqlen)  # stands in for the calibration windows
+    composition = {"windows": {"calibration": 2, "prose": 1, "code": 1}}
+    alone, kinds = training_pieces_of("calibration", calib, piece)
+    assert torch.equal(alone, calib.reshape(-1, piece)) and kinds == {"calibration": 24}
+
+    mixed, kinds = training_pieces_of("mix", calib, piece, tokenizer, composition)
+    count = kinds["calibration"]
+    assert kinds == {"calibration": count, "prose": count, "code": count} and mixed.shape == (3 * count, piece)
+    assert torch.equal(mixed[0::3], calib.reshape(-1, piece)[:count])
+    heldout, _ = bundled_selection_windows(tokenizer, {"prose": 1, "code": 1}, seqlen)
+    for offset, (kind, held) in enumerate(zip(("prose", "code"), heldout), start=1):
+        whole = build_windows(tokenizer, kind_texts(kind, "selection"), 1000, seqlen).input_ids
+        assert torch.equal(whole[0], held)  # the held-out window is the part's first
+        assert torch.equal(mixed[offset::3], whole[1:].reshape(-1, piece)[:count])
+    with pytest.raises(NblError, match="--refine-text 'prose'"):
+        RefineSettings(text="prose").check()

@@ -186,6 +186,18 @@ def bundled_selection_windows(tokenizer, counts: dict[str, int], seqlen: int):
     return ids, report
 
 
+def bundled_windows_after(tokenizer, kind: str, skip: int, seqlen: int):
+    """The windows [n, seqlen] of a bundled kind's selection part after its first ``skip`` (those that
+    bundled_selection_windows gives the held-out windows): as many as the rest of its text holds."""
+    # as many windows as any bundled part could hold: build_windows reads every document then
+    data = build_windows(tokenizer, kind_texts(kind, SELECTION), 1 << 20, seqlen, name=f"bundled {kind} text")
+    if data.nsamples <= skip:
+        raise NblError(f"the bundled {KINDS[kind].label} held out for selection gives {data.nsamples} windows of "
+                       f"{seqlen} tokens, all of them held out: none is left to train on (a shorter --seqlen, or "
+                       f"--refine-text calibration)")
+    return data.input_ids[skip:]
+
+
 def _as_text(item, where: str, field: str) -> str:
     if isinstance(item, str):
         return item

@@ -50,6 +50,10 @@ DEFAULT_STREAMED_EPOCHS = 3  # passes of the streamed form over each layer's tok
 # output 1% (docs/results/refine.md)
 TARGETS = ("trajectory", "block")
 DEFAULT_TARGET = "trajectory"
+# the text the maps are trained on: the calibration windows alone, or those and the bundled Python docs and code
+# held out for selection (beyond the held-out windows themselves), a third each (training_pieces_of)
+TEXTS = ("calibration", "mix")
+DEFAULT_TEXT = "calibration"
 # what the state key and the report record of the settings: not where progress goes or how much memory was allowed
 UNRECORDED = ("no_progress", "memory_budget")
 
@@ -70,6 +74,7 @@ class RefineSettings:
     # also corrects what the earlier replaced ones changed), or the unmodified block's output on the same
     # inputs ("block")
     target: str = DEFAULT_TARGET
+    text: str = DEFAULT_TEXT
     seed: int = 0
     memory_budget: float | None = None  # GiB; None: half the memory available (settings.memory_budget_bytes)
     no_progress: bool = False
@@ -86,6 +91,8 @@ class RefineSettings:
             raise NblError(f"--refine-lr must be a positive number, got {self.lr}")
         if self.target not in TARGETS:
             raise NblError(f"--refine-target {self.target!r}: use {' or '.join(TARGETS)}")
+        if self.text not in TEXTS:
+            raise NblError(f"--refine-text {self.text!r}: use {' or '.join(TEXTS)}")
 
     @property
     def learning_rate(self) -> float:
@@ -221,6 +228,28 @@ def training_pieces(ids: torch.Tensor, seqlen: int) -> torch.Tensor:
     seqlen = min(seqlen, length)
     per = length // seqlen
     return ids[:, :per * seqlen].reshape(n * per, seqlen)
+
+
+def training_pieces_of(text: str, calib: torch.Tensor, seqlen: int, tokenizer=None,
+                       composition: dict | None = None) -> tuple[torch.Tensor, dict]:
+    """(the training pieces [m, seqlen], {kind: pieces}) of RefineSettings.text: ``calib``'s windows alone
+    ("calibration"), or as many pieces of each of them and of the bundled Python docs' and code's selection
+    parts as the smallest gives ("mix"), those parts read after the windows that the held-out ``composition``
+    (dataset.load_windows') took from them, so that early stopping stays on text the maps never trained on."""
+    from nbl_gguf.calibration.dataset import CALIBRATION_KIND, MIX_KINDS, bundled_windows_after
+
+    own = training_pieces(calib, seqlen)
+    if text == "calibration":
+        return own, {CALIBRATION_KIND: int(own.shape[0])}
+    held = (composition or {}).get("windows", {})
+    parts = {CALIBRATION_KIND: own}
+    for kind in MIX_KINDS[1:]:
+        parts[kind] = training_pieces(bundled_windows_after(tokenizer, kind, held.get(kind, 0), calib.shape[1]),
+                                      seqlen)
+    count = min(int(part.shape[0]) for part in parts.values())
+    # interleaved (calibration, docs, code, calibration, ...): each kind's share is the same in any prefix
+    mixed = torch.stack([part[:count] for part in parts.values()], dim=1).reshape(-1, own.shape[1])
+    return mixed, {kind: count for kind in parts}
 
 
 def step_order(count: int, steps: int, seed: int) -> list[int]:
@@ -572,7 +601,8 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     if artifact_data and artifact_data.get("windows_sha256") not in (None, tokens_digest(calib.input_ids)):
         log("refine: note: the calibration windows differ from those the artifact was fitted on "
             "(another --dataset, --nsamples or --seqlen): the maps are refined on these")
-    pieces = training_pieces(calib.input_ids, settings.seqlen)
+    pieces, piece_kinds = training_pieces_of(settings.text, calib.input_ids, settings.seqlen, shape.tokenizer,
+                                             composition)
     inputs = {"refine": settings.recorded(),
               "layers": sorted(layers), "layer_type": layer_type, "dtype": str(dtype), "device": device.split(":")[0],
               "tokens": tokens_digest(pieces, heldout),
@@ -589,7 +619,10 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
         state.close(finished=finished)
     refined.report.update(dtype=str(dtype).replace("torch.", ""), device=device,
                           windows={"training": f"{pieces.shape[0]} pieces of {pieces.shape[1]} tokens from "
-                                               f"{calib.nsamples} calibration windows of {calib.seqlen}",
+                                               f"{calib.nsamples} calibration windows of {calib.seqlen}"
+                                               + ("" if settings.text == "calibration" else
+                                                  f" and the bundled Python docs and code held out for selection "
+                                                  f"({', '.join(f'{k}: {n}' for k, n in piece_kinds.items())})"),
                                    "heldout": composition})
     return refined
 

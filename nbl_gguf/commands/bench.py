@@ -236,7 +236,9 @@ def embedded_models(args, log) -> ModelSet:
     stock = stock_ladder(model_dir, [quant], directory, args.threads, log)[quant]
     commands.append(f"convert_hf_to_gguf.py {model_dir} --outtype f32 && llama-quantize ... {quant}  -> {stock}")
 
-    nbl, converts = nbl_by_convert(args, str(model_dir), directory, f"-{quant.lower()}", {"quant": quant}, log)
+    # cut from the stock file measured beside them, not from a conversion of their own
+    nbl, converts = nbl_by_convert(args, str(model_dir), directory, f"-{quant.lower()}",
+                                   {"quant": quant, "stock_gguf": str(stock)}, log)
     return ModelSet(model_dir.name, quant, Candidate("stock", stock), nbl,
                     hf={"kind": "folder", "path": str(model_dir)}, commands=commands + converts)
 

@@ -83,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", default=None, choices=["f32", "f16", "bf16"],
                         help="HF --model only: type of the stock conversion that is rewritten and quantized "
                              "(default: the checkpoint's own type when all its weights are f16 or bf16, else f32)")
+    parser.add_argument("--stock-gguf", default=None, metavar="GGUF",
+                        help="HF --model only: its stock file at --quant, already made by llama.cpp's converter and "
+                             "llama-quantize without an imatrix (checked against the model's shape and --quant): the "
+                             "NBL file is cut from it instead of converting the model again (bench --frontier passes "
+                             "the stock file it measures)")
     flags.add_threads(parser, "of PyTorch while calibrating and of llama-quantize, llama-imatrix and "
                               "llama-perplexity (default: theirs)")
     flags.add_seed(parser, "the calibration and llama-imatrix")
@@ -117,6 +122,8 @@ def resolve_source(args):
     if args.quant is not None:
         raise NblError(f"--quant {args.quant} means nothing for a GGUF --model: the NBL file keeps every tensor of "
                        f"{Path(args.model).name} as it is; --nbl-type chooses the type of the NBL weights")
+    if args.stock_gguf is not None:
+        raise NblError(f"--stock-gguf means nothing for a GGUF --model: {Path(args.model).name} is the stock file")
     if args.imatrix:
         raise NblError("--imatrix means nothing for a GGUF --model: nothing is quantized again (the file's own "
                        "tensors, imatrix-quantized or not, are kept as they are)")
@@ -124,6 +131,29 @@ def resolve_source(args):
         raise NblError(f"--intermediate {args.intermediate} means nothing for a GGUF --model: no stock conversion is "
                        f"made (the NBL file is {Path(args.model).name} itself with the replaced attention swapped)")
     return resolve_model(args.model, runnable=nbl_format.SUPPORTED_ARCHITECTURES, calibrating=not args.calibration)
+
+
+def check_stock_gguf(args, source, quant: str, n_layer: int, hidden: int) -> None:
+    """--stock-gguf: a GGUF of the HF --model's architecture and shape at --quant, without the options that
+    would have made it another way."""
+    from nbl_gguf.gguf.from_artifact import gguf_architecture
+    from nbl_gguf.model_source import read_gguf
+
+    if args.imatrix:
+        raise NblError("--stock-gguf and --imatrix: the stock file is used as it is, quantized already (leave one out)")
+    if args.intermediate is not None:
+        raise NblError(f"--stock-gguf and --intermediate {args.intermediate}: no stock conversion is made (leave one out)")
+    path = Path(args.stock_gguf)
+    if not path.is_file():
+        raise NblError(f"--stock-gguf {path}: no such file")
+    stock = read_gguf(path, calibrating=False, flag="--stock-gguf")
+    found = {"architecture": stock.architecture, "blocks": stock.n_layer, "embedding width": stock.n_embd,
+             "type": stock.file_type.upper()}
+    wanted = {"architecture": gguf_architecture(source), "blocks": n_layer, "embedding width": hidden,
+              "type": quant.upper()}
+    differ = [f"{key} {found[key]} (the model's: {wanted[key]})" for key in found if found[key] != wanted[key]]
+    if differ:
+        raise NblError(f"--stock-gguf {path} is not {source.name} at {quant}: {', '.join(differ)}")
 
 
 def layer_choice(args, m=None) -> LayerChoice:
@@ -230,6 +260,8 @@ def convert(args) -> Summary:
         quant = check_quant(args.quant or DEFAULT_QUANT)
         check_hf_folder(source.hf_folder())
         n_layer, hidden = model_shape(source.hf_folder())
+        if args.stock_gguf is not None:
+            check_stock_gguf(args, source, quant, n_layer, hidden)
     if args.runtime == "stock":
         check_stock_runtime(source)
     if args.taps == "auto" and not args.calibration:
@@ -241,7 +273,7 @@ def convert(args) -> Summary:
     taps = check_taps(TapsRequest(args.taps, runtime=args.runtime, taps_rank=args.taps_rank, nsamples=args.nsamples,
                                   seqlen=args.seqlen, from_artifact=bool(args.calibration)),
                       source, method, hidden, device)
-    if source.gguf is None:
+    if source.gguf is None and args.stock_gguf is None:
         check_conversion_space(source.hf_folder(), intermediate_type(args, quant, source.hf_folder()),
                                output.resolve().parent, quantized=quant not in FLOAT_TYPES)
     if args.nbl_type is not None and method == "attn-nbl":
@@ -264,7 +296,7 @@ def convert(args) -> Summary:
         check_refine(args, method)
 
     steps = ["calibrate" if not args.calibration else "load calibration"]
-    if source.gguf is None:
+    if source.gguf is None and args.stock_gguf is None:
         steps.append("stock conversion")
         if quant not in FLOAT_TYPES:
             steps += (["imatrix"] if args.imatrix else []) + ["quantize stock"]
@@ -328,6 +360,8 @@ def convert(args) -> Summary:
         imatrix = None
         if source.gguf is not None:
             stock_final = source.gguf.path  # the user's own file is the stock file of the comparison
+        elif args.stock_gguf is not None:
+            stock_final = Path(args.stock_gguf)  # made as below, by whoever asked (checked in check_stock_gguf)
         else:
             # 2. the stock conversion, quantized before the surgery: the NBL file keeps the stock file's tensor
             # types, as for a GGUF --model, and only one float file is ever on disk

@@ -373,6 +373,10 @@ def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="streamed form: what each replaced block's output is matched to: the unmodified model's "
                             "hidden state there (trajectory), or the unmodified block's output on the same inputs "
                             f"(block) (default: {refine.DEFAULT_TARGET})")
+    group.add_argument("--refine-text", default=refine.DEFAULT_TEXT, choices=refine.TEXTS,
+                       help="what the maps are trained on: the calibration windows (calibration), or those and the "
+                            "bundled Python docs and code held out for selection, a third each, never the held-out "
+                            f"windows early stopping reads (mix) (default: {refine.DEFAULT_TEXT})")
 
 
 def refine_settings(args):
@@ -383,5 +387,5 @@ def refine_settings(args):
     return RefineSettings(form=args.refine_form, tokens=args.refine_tokens, seqlen=args.refine_seqlen,
                           lr=args.refine_lr, top_k=args.refine_top_k, eval_every=args.refine_eval_every,
                           patience=args.refine_patience, epochs=args.refine_epochs, target=args.refine_target,
-                          seed=args.seed,
+                          text=args.refine_text, seed=args.seed,
                           memory_budget=args.memory_budget, no_progress=args.no_progress)

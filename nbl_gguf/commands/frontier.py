@@ -181,7 +181,9 @@ def hf_side(args, log) -> StockSide:
     made = [f"convert_hf_to_gguf.py {model_dir} --outtype f32 && llama-quantize ... {', '.join(ladder)} (one file each)"]
     return StockSide(resolve_model(str(model_dir)), name, quant, n_layer, hidden, directory, ladder[quant],
                      {q: ladder[q] for q in (down, up) if q}, made, [],
-                     convert_model=str(model_dir), convert_extra={"quant": quant}, suffix=f"-{quant.lower()}")
+                     # the NBL files are cut from the stock file measured here, not from a conversion of their own
+                     convert_model=str(model_dir), convert_extra={"quant": quant, "stock_gguf": str(ladder[quant])},
+                     suffix=f"-{quant.lower()}")
 
 
 def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
