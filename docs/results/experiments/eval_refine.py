@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     parser.add_argument("--long-ctx", type=int, default=4096)
     parser.add_argument("--long-chunks", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--variants", default="lmmse,refined",
+                        help="the files made per row: lmmse,refined; refined alone when the LMMSE row is on record "
+                             "(the same calibration: its files are the same)")
     parser.add_argument("--out", required=True)
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -73,22 +76,24 @@ def main(argv=None) -> int:
                         shutil.copy2(Path(args.calibration) / name, copy / name)
                     row_args = common + ["--calibration", str(copy), "--m", str(m), "--taps", str(taps)]
                     files, summaries, seconds = {}, {}, {}
-                    for variant, flags in (("lmmse", []), ("refined", ["--refine", *extra])):
+                    made = {"lmmse": [], "refined": ["--refine", *extra]}
+                    for variant, flags in ((v, made[v]) for v in args.variants.split(",")):
                         files[variant] = tmp / f"{variant}-{m}-{taps}-{quant}.gguf"
                         start = time.perf_counter()
                         summaries[variant] = convert(row_args + flags + ["-o", str(files[variant])])
                         seconds[variant] = round(time.perf_counter() - start, 1)
-                    report = json.loads((copy / REPORT).read_text(encoding="utf-8"))["refine"]
+                    report = json.loads((copy / REPORT).read_text(encoding="utf-8")).get("refine", {})
                     heldout = {}
                     longs = {variant: long_ppl(path, texts) for variant, path in files.items()}
                     for kind in KINDS:
-                        a, b = summaries["lmmse"].heldout[kind], summaries["refined"].heldout[kind]
-                        heldout[kind] = {
-                            "tokens": a["tokens"], "stock": a["stock"], "lmmse": a["nbl"], "refined": b["nbl"],
-                            "long_stock": stock_long[kind], "long_lmmse": longs["lmmse"][kind],
-                            "long_refined": longs["refined"][kind]}
+                        first = next(iter(summaries.values())).heldout[kind]
+                        heldout[kind] = {"tokens": first["tokens"], "stock": first["stock"],
+                                         "long_stock": stock_long[kind]}
+                        for variant, summary in summaries.items():
+                            heldout[kind][variant] = summary.heldout[kind]["nbl"]
+                            heldout[kind][f"long_{variant}"] = longs[variant][kind]
                     row = {"model": Path(args.model).name, "quant": quant, "m": m, "taps": taps,
-                           "layers": summaries["lmmse"].replaced, "criterion": args.criterion,
+                           "layers": next(iter(summaries.values())).replaced, "criterion": args.criterion,
                            "long_ctx": args.long_ctx, "heldout": heldout, "convert_seconds": seconds,
                            "extra_flags": extra,
                            "refine": {key: report[key] for key in report if key not in ("history", "weights")}}
