@@ -52,8 +52,9 @@ TARGETS = ("trajectory", "block")
 DEFAULT_TARGET = "trajectory"
 # the text the maps are trained on: the calibration windows alone, or those and the bundled Python docs and code
 # held out for selection (beyond the held-out windows themselves), a third each (training_pieces_of). The mix by
-# default: SmolLM2 m = 12 taps, code +104% -> +39%, and on two kinds neither trained nor selected on (Vim's manual,
-# licence texts) +52% / +55% -> +39% / +40%; C4 +23.4% -> +26.4% at the same tokens (docs/results/refine.md)
+# default: SmolLM2 m = 12 taps, code +104% -> +45% at 32,768 tokens (C4 +23.4% -> +26.4%), and at 65,536 tokens on
+# two kinds neither trained nor selected on (Vim's manual, licence texts) +52% / +55% -> +39% / +40%
+# (docs/results/refine.md)
 TEXTS = ("calibration", "mix")
 DEFAULT_TEXT = "mix"
 # what the state key and the report record of the settings: not where progress goes or how much memory was allowed
