@@ -71,18 +71,23 @@ def main(argv=None) -> int:
     source = resolve_model(args.model)
     plain = refine_module.make_trainable
     with open(args.out, "a", encoding="utf-8") as out:
-        for variant in args.variants.split(","):
-            kind, _, lr = variant.partition(":")
-            refine_module.make_trainable = column_scaled(plain) if kind == "column" else plain
-            chosen = refine_module.RefineSettings(lr=float(lr), tokens=args.tokens, text=args.text, no_progress=True)
-            started = time.perf_counter()
-            refined = refine_module.refine(source, settings, layers, layer_type, maps, chosen,
-                                           artifact.report.get("data"))
-            row = {"model": args.model, "variant": variant, "layers": layers, "seconds": round(time.perf_counter() - started),
-                   "extra": extra} | {k: refined.report[k] for k in ("steps", "best_step", "stopped", "heldout", "history")}
-            print(json.dumps(row), flush=True)
-            out.write(json.dumps(row) + "\n")
-    refine_module.make_trainable = plain
+        try:
+            for variant in args.variants.split(","):
+                kind, _, lr = variant.partition(":")
+                refine_module.make_trainable = column_scaled(plain) if kind == "column" else plain
+                chosen = refine_module.RefineSettings(lr=float(lr), tokens=args.tokens, text=args.text,
+                                                      no_progress=True)
+                started = time.perf_counter()
+                refined = refine_module.refine(source, settings, layers, layer_type, maps, chosen,
+                                               artifact.report.get("data"))
+                row = {"model": args.model, "variant": variant, "layers": layers,
+                       "seconds": round(time.perf_counter() - started), "extra": extra} \
+                    | {k: refined.report[k] for k in ("steps", "best_step", "stopped", "heldout", "history")}
+                print(json.dumps(row), flush=True)
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+        finally:
+            refine_module.make_trainable = plain  # the module's own again, also when a variant fails
     return 0
 
 

@@ -15,7 +15,7 @@ model = Path(sys.argv[1])
 results = Path("docs/results/window")
 walk = json.loads((results / "qwen2.5-coder-0.5b-retrieval/choice-retrieval-0.15.json").read_text())["layers"]
 order = json.loads((results / "qwen2.5-coder-0.5b/choice.json").read_text())["order"]
-for name, layers in (("qwen-windows12-w512-s4", walk), ("qwen-windows20-w512-s4", sorted(order[:20]))):
-    print(name, sorted(layers))
+for name, layers in (("qwen-windows12-w512-s4", sorted(walk)), ("qwen-windows20-w512-s4", sorted(order[:20]))):
+    print(name, layers)
     nbl_format.write_nbl_gguf(model, Path(f"{name}.gguf"), nbl_format.NblLayers(
-        types=[nbl_format.ATTENTION] * 24, windows=nbl_format.Windows(tuple(sorted(layers)), 512, 4), method="window"))
+        types=[nbl_format.ATTENTION] * 24, windows=nbl_format.Windows(tuple(layers), 512, 4), method="window"))
