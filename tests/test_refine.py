@@ -96,13 +96,13 @@ def heldout_nll(model, layer_type, maps, heldout) -> np.ndarray:
     return nll.reshape(heldout.shape[0], -1).mean(1).double().numpy()
 
 
-def run(form, model, layer_type, maps, data, state=None, log=None, **options):
+def run(form, model, layer_type, maps, data, state=None, log=None, training_kinds=None, **options):
     pieces, heldout = data
     settings = RefineSettings(form=form, tokens=24 * 32, seqlen=32, eval_every=4, patience=20, no_progress=True,
                               **{"lr": 3e-2, **options})  # relative to each map tensor's RMS
     if form == "model":
         return refine_model(copy.deepcopy(model), LAYERS, layer_type, maps, pieces, heldout, settings, state,
-                            log=log or (lambda text: None))
+                            log=log or (lambda text: None), training_kinds=training_kinds)
     from nbl_gguf.calibration.stream import LayerStream
 
     stream = LayerStream.resident(copy.deepcopy(model))
@@ -169,10 +169,12 @@ class Interrupted(Exception):
     pass
 
 
-@pytest.mark.parametrize("form", ["model", "streamed"])
-def test_an_interrupted_refinement_resumes_to_the_same_maps(model, data, form, tmp_path, monkeypatch):
+@pytest.mark.parametrize("form,balance", [("model", False), ("model", True), ("streamed", False)])
+def test_an_interrupted_refinement_resumes_to_the_same_maps(model, data, form, balance, tmp_path, monkeypatch):
     linear = lmmse_maps(model, data[0])
-    whole = run(form, model, ATTN_LINEAR, linear, data)
+    # balanced: two kinds of pieces in turn, their running losses part of the state
+    options = {"balance": True, "training_kinds": ["a", "b"] * (data[0].shape[0] // 2)} if balance else {}
+    whole = run(form, model, ATTN_LINEAR, linear, data, **options)
 
     def state():
         opened = CalibrationState(tmp_path, "tiny", {"refine": form})
@@ -192,12 +194,12 @@ def test_an_interrupted_refinement_resumes_to_the_same_maps(model, data, form, t
     monkeypatch.setattr(refine_module, name, interrupt)
     first = state()
     with pytest.raises(Interrupted):
-        run(form, model, ATTN_LINEAR, linear, data, state=first)
+        run(form, model, ATTN_LINEAR, linear, data, state=first, **options)
     first.close(finished=False)
     monkeypatch.setattr(refine_module, name, original)
     said = []
     second = state()
-    resumed = run(form, model, ATTN_LINEAR, linear, data, state=second, log=said.append)
+    resumed = run(form, model, ATTN_LINEAR, linear, data, state=second, log=said.append, **options)
     second.close(finished=True)
     assert any(line.startswith("refine: resuming") for line in said)
     for layer in LAYERS:
@@ -376,3 +378,49 @@ def test_refine_text_mix_trains_on_each_kind_alike_and_never_on_the_heldout_wind
         assert torch.equal(mixed[offset::3], whole[1:].reshape(-1, piece)[:count])
     with pytest.raises(NblError, match="--refine-text 'prose'"):
         RefineSettings(text="prose").check()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "smollm3", "gemma2", "gemma3_text", "gemma3"])
+def test_the_forward_from_the_first_replaced_layer_gives_the_whole_models_logits(family):
+    """The model form runs the layers before the first replaced one once (stream.layer_inputs) and each step
+    from there on (stream.starting_at): the logits are the whole forward's, with a map in place after that
+    layer too, for families whose forward does more than stack layers (soft-capping, sliding masks, NoPE
+    layers, a model nested beside a vision tower)."""
+    from transformers import AutoTokenizer
+
+    from _family_helpers import random_family_model
+    from nbl_gguf import models
+    from nbl_gguf.calibration.stream import layer_inputs, starting_at
+
+    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
+    model = random_family_model(family, tokenizer).float()
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(2))
+    d = models.text_config(model.config).hidden_size
+    rng = np.random.default_rng(0)
+    apply_nbl(model, {3: ATTN_LINEAR}, {3: ((0.05 * rng.standard_normal((d, d))).astype(np.float32),
+                                           (0.05 * rng.standard_normal(d)).astype(np.float32))})
+    inputs = layer_inputs(model, 2, ids)
+    assert inputs.shape == (2, 24, d)
+    with torch.no_grad():
+        whole = model(input_ids=ids, use_cache=False).logits
+        for i in range(2):
+            with starting_at(model, 2, inputs[i:i + 1]):
+                part = model(input_ids=ids[i:i + 1], use_cache=False).logits
+            torch.testing.assert_close(part, whole[i:i + 1], rtol=1e-5, atol=1e-5)
+    # the layers are the model's own again afterwards
+    assert all(type(layer).__name__.endswith("DecoderLayer") for layer in models.decoder_layers(model))
+
+
+def test_balance_scales_each_kinds_loss_to_the_same_size():
+    """--refine-balance: pieces of two kinds whose losses differ tenfold weigh the same once each kind's
+    running mean has settled (the resume test above runs it inside a refinement)."""
+    from nbl_gguf.calibration.refine import balance_weight
+
+    running = {}
+    weighted = {"code": [], "c4": []}
+    for step in range(200):
+        kind, value = ("code", 1.0) if step % 2 else ("c4", 0.1)
+        weighted[kind].append(value * balance_weight(running, kind, value))
+    assert running == pytest.approx({"code": 1.0, "c4": 0.1})
+    assert weighted["code"][-1] == pytest.approx(weighted["c4"][-1]) == pytest.approx(0.55)
+    assert balance_weight({}, "only", 0.3) == pytest.approx(1.0)  # one kind: unscaled

@@ -57,6 +57,7 @@ DEFAULT_TARGET = "trajectory"
 # (docs/results/refine.md)
 TEXTS = ("calibration", "mix")
 DEFAULT_TEXT = "mix"
+DEFAULT_BALANCE = False
 # what the state key and the report record of the settings: not where progress goes or how much memory was allowed
 UNRECORDED = ("no_progress", "memory_budget")
 
@@ -78,6 +79,9 @@ class RefineSettings:
     # inputs ("block")
     target: str = DEFAULT_TARGET
     text: str = DEFAULT_TEXT
+    # each kind of training text's loss scaled by the mean over kinds of their running losses over its own, so
+    # that a kind whose KL is small (Qwen2.5's C4 beside its code) steers the maps as much as the others
+    balance: bool = DEFAULT_BALANCE
     seed: int = 0
     memory_budget: float | None = None  # GiB; None: half the memory available (settings.memory_budget_bytes)
     no_progress: bool = False
@@ -255,6 +259,12 @@ def training_pieces_of(text: str, calib: torch.Tensor, seqlen: int, tokenizer=No
     return mixed, {kind: count for kind in parts}
 
 
+def piece_kinds(counts: dict[str, int]) -> list[str]:
+    """The kind of each of training_pieces_of's pieces, from its {kind: pieces}: the kinds in turn."""
+    kinds = list(counts)
+    return [kinds[i % len(kinds)] for i in range(sum(counts.values()))]
+
+
 def step_order(count: int, steps: int, seed: int) -> list[int]:
     """Which piece each step reads: a fresh permutation of the pieces each epoch, from the seed alone (so
     a resumed run reads what an uninterrupted one would)."""
@@ -269,9 +279,31 @@ def step_order(count: int, steps: int, seed: int) -> list[int]:
 
 # --- the model form -------------------------------------------------------------------------------------
 
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids, use_cache=False)
-    return out.logits.float()
+def _logits(model, ids: torch.Tensor, start=None) -> torch.Tensor:
+    """The logits of windows ``ids``; ``start``: (first layer, its input for these windows): the model's
+    forward from that layer on (stream.starting_at), the same logits where nothing before it changed."""
+    if start is None:
+        return model(input_ids=ids, use_cache=False).logits.float()
+    from nbl_gguf.calibration.stream import starting_at
+
+    with starting_at(model, *start):
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+class _Prefix:
+    """The input of the first replaced layer, computed once for every window the refinement reads: the
+    unmodified layers before it are then not run again at each step and evaluation (the same maps to the
+    bit). Qwen2.5-Coder-0.5B's m = 8 starts at layer 11 of 24, yet the refinement took 299 s against 304 s:
+    its steps are mostly the 152K-token head and loss (docs/results/refine.md)."""
+
+    def __init__(self, model, first: int, windows: torch.Tensor):
+        from nbl_gguf.calibration.stream import layer_inputs
+
+        self.first = first
+        self.inputs = layer_inputs(model, first, windows) if first > 0 else None
+
+    def start(self, i: int):
+        return None if self.inputs is None else (self.first, self.inputs[i:i + 1])
 
 
 def teacher_top_k(model, pieces: torch.Tensor, k: int, progress) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,6 +318,15 @@ def teacher_top_k(model, pieces: torch.Tensor, k: int, progress) -> tuple[torch.
             indices.append(top.indices[0])
             progress.update()
     return torch.stack(values), torch.stack(indices)
+
+
+def balance_weight(running: dict[str, float], kind: str, value: float) -> float:
+    """RefineSettings.balance: the factor of a ``kind`` piece's training loss ``value``, the mean over kinds of
+    their running mean losses (``running``, updated here) over its own. Unscaled, each kind steers the maps in
+    proportion to its KL: on Qwen2.5-Coder, code's is the largest and C4's the smallest, and the maps trained on
+    a third of each drifted away from C4 while code and docs improved (docs/results/refine.md)."""
+    running[kind] = value if kind not in running else 0.9 * running[kind] + 0.1 * value
+    return float(np.mean(list(running.values()))) / max(running[kind], 1e-12)
 
 
 def distillation_loss(student_logits: torch.Tensor, top_logp: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
@@ -304,12 +345,13 @@ def distillation_loss(student_logits: torch.Tensor, top_logp: torch.Tensor, top_
     return (kl_top + kl_rest).mean()
 
 
-def heldout_nll(model, heldout: torch.Tensor, progress=None) -> np.ndarray:
-    """Mean next-token NLL of each held-out window [windows] (float64)."""
+def heldout_nll(model, heldout: torch.Tensor, progress=None, prefix: _Prefix | None = None) -> np.ndarray:
+    """Mean next-token NLL of each held-out window [windows] (float64); ``prefix``: the windows' input of
+    the first replaced layer."""
     values = []
     with torch.no_grad():
         for i in range(heldout.shape[0]):
-            logits = _logits(model, heldout[i:i + 1])
+            logits = _logits(model, heldout[i:i + 1], prefix.start(i) if prefix is not None else None)
             nll = torch.nn.functional.cross_entropy(logits[0, :-1], heldout[i, 1:], reduction="mean")
             values.append(float(nll))
             if progress is not None:
@@ -324,6 +366,17 @@ def _kinds_report(nll: np.ndarray, kinds: list[str] | None) -> dict:
         for kind in dict.fromkeys(kinds):
             report[kind] = float(np.mean([v for v, k in zip(nll, kinds) if k == kind]))
     return report
+
+
+def _evaluation(step: int, nll: np.ndarray, train_kl: float | None, kinds: list[str] | None) -> dict:
+    """One entry of the report's history: the held-out NLL after ``step`` steps, by kind where there are
+    several (a kind can get worse while the mean falls: docs/results/refine.md), and the mean training KL
+    since the last evaluation."""
+    entry = {"step": step, "heldout_nll": float(nll.mean()), "train_kl": train_kl}
+    by_kind = _kinds_report(nll, kinds)
+    if len(by_kind) > 2:
+        entry["heldout_nll_by_kind"] = {kind: value for kind, value in by_kind.items() if kind != "all"}
+    return entry
 
 
 class _Checkpoints:
@@ -348,12 +401,14 @@ class _Checkpoints:
 
 
 def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: torch.Tensor, heldout: torch.Tensor,
-                 settings: RefineSettings, state=None, kinds: list[str] | None = None, log=None) -> Refined:
+                 settings: RefineSettings, state=None, kinds: list[str] | None = None, log=None,
+                 training_kinds: list[str] | None = None) -> Refined:
     """The model form. ``model``: the unmodified model, in memory (its replaced layers are swapped in
     here: apply.apply_nbl of ``layers`` as ``layer_type`` with ``maps``, the LMMSE fit); ``pieces``:
     training token windows [m, seqlen]; ``heldout``: the early-stopping windows [w, L], of the text
     ``kinds`` (one name a window, for the report); ``state``: a resume.CalibrationState to checkpoint
-    into (None: no resume). Returns the maps of the best held-out evaluation."""
+    into (None: no resume); ``training_kinds``: the kind of each piece (piece_kinds; for
+    RefineSettings.balance). Returns the maps of the best held-out evaluation."""
     from tqdm import tqdm
 
     from nbl_gguf.calibration.apply import ATTN_TAPS, apply_nbl
@@ -377,6 +432,8 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
         teacher = {"top_logp": top_logp.to(torch.float16), "top_ids": top_ids.to(torch.int32), "base": base}
         files.save("teacher.pt", teacher)
     top_logp, top_ids, base = teacher["top_logp"].float(), teacher["top_ids"].long(), teacher["base"]
+    first = min(layers)
+    piece_prefix, heldout_prefix = _Prefix(model, first, pieces[needed]), _Prefix(model, first, heldout)
 
     apply_nbl(model, {layer: layer_type for layer in layers}, maps)
     modules = map_modules(model, layers)
@@ -390,21 +447,24 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
         optimizer.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["schedule"])
         step, best, history, waited = saved["step"], saved["best"], saved["history"], saved["waited"]
-        start_nll = saved["start_nll"]
+        start_nll, running = saved["start_nll"], saved.get("running", {})
         log(f"refine: resuming after step {step} (state {state.folder})")
     else:
-        start_nll = heldout_nll(model, heldout)
+        start_nll = heldout_nll(model, heldout, prefix=heldout_prefix)
         step, waited = 0, 0
         best = {"step": 0, "nll": start_nll, "params": _parameter_state(params)}
-        history = [(0, float(start_nll.mean()), None)]
+        history = [_evaluation(0, start_nll, None, kinds)]
+        running = {}  # kind: running mean of its training loss (settings.balance)
     bar = tqdm(total=steps, initial=step, desc="refine", unit="step", disable=settings.no_progress, file=sys.stderr)
     window_loss = []
     while step < steps and waited < settings.patience:  # a resumed run that had stopped stays stopped
         piece = order[step]
-        logits = _logits(model, pieces[piece:piece + 1])[0]
+        logits = _logits(model, pieces[piece:piece + 1], piece_prefix.start(position[piece]))[0]
         loss = distillation_loss(logits, top_logp[position[piece]], top_ids[position[piece]])
+        weight = balance_weight(running, training_kinds[piece], float(loss.detach())) \
+            if settings.balance and training_kinds else 1.0
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * weight).backward()
         optimizer.step()
         schedule.step()
         window_loss.append(float(loss.detach()))
@@ -412,8 +472,8 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
         bar.update()
         if step % settings.eval_every and step < steps:
             continue
-        nll = heldout_nll(model, heldout)
-        history.append((step, float(nll.mean()), float(np.mean(window_loss))))
+        nll = heldout_nll(model, heldout, prefix=heldout_prefix)
+        history.append(_evaluation(step, nll, float(np.mean(window_loss)), kinds))
         window_loss = []
         bar.set_postfix_str(f"held-out NLL {start_nll.mean():.4f} -> {nll.mean():.4f}")
         if nll.mean() < best["nll"].mean():
@@ -423,7 +483,7 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
         files.save("refine.pt", {"params": _parameter_state(params), "optimizer": optimizer.state_dict(),
                                  "schedule": schedule.state_dict(), "step": step,
                                  "best": best, "history": history, "waited": waited,
-                                 "start_nll": start_nll})
+                                 "start_nll": start_nll, "running": running})
     bar.close()
     stopped = f"no better held-out loss in {settings.patience} evaluations" if waited >= settings.patience \
         else "token budget"
@@ -438,7 +498,7 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
                     "unmodified_nll": _kinds_report(base, kinds),
                     "lmmse_nll": _kinds_report(start_nll, kinds),
                     "refined_nll": _kinds_report(best["nll"], kinds)},
-        "history": [{"step": s, "heldout_nll": h, "train_kl": t} for s, h, t in history],
+        "history": history,
         "settings": settings.recorded(), "seconds": round(time.perf_counter() - started, 1),
     }
     return Refined(sorted(layers), taps, read_maps(modules, taps), report)
@@ -604,8 +664,8 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     if artifact_data and artifact_data.get("windows_sha256") not in (None, tokens_digest(calib.input_ids)):
         log("refine: note: the calibration windows differ from those the artifact was fitted on "
             "(another --dataset, --nsamples or --seqlen): the maps are refined on these")
-    pieces, piece_kinds = training_pieces_of(settings.text, calib.input_ids, settings.seqlen, shape.tokenizer,
-                                             composition)
+    pieces, counts = training_pieces_of(settings.text, calib.input_ids, settings.seqlen, shape.tokenizer,
+                                        composition)
     inputs = {"refine": settings.recorded(),
               "layers": sorted(layers), "layer_type": layer_type, "dtype": str(dtype), "device": device.split(":")[0],
               "tokens": tokens_digest(pieces, heldout),
@@ -616,7 +676,8 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     try:
         run = refine_model if settings.form == "model" else refine_streamed
         refined = run(loaded.model if settings.form == "model" else shape, sorted(layers), layer_type, maps, pieces,
-                      heldout, settings, state, heldout_kinds(composition, heldout.shape[0]), log)
+                      heldout, settings, state, heldout_kinds(composition, heldout.shape[0]), log,
+                      **({"training_kinds": piece_kinds(counts)} if settings.form == "model" else {}))
         finished = True
     finally:
         state.close(finished=finished)
@@ -625,7 +686,7 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
                                                f"{calib.nsamples} calibration windows of {calib.seqlen}"
                                                + ("" if settings.text == "calibration" else
                                                   f" and the bundled Python docs and code held out for selection "
-                                                  f"({', '.join(f'{k}: {n}' for k, n in piece_kinds.items())})"),
+                                                  f"({', '.join(f'{k}: {n}' for k, n in counts.items())})"),
                                    "heldout": composition})
     return refined
 

@@ -50,6 +50,66 @@ class _Recorder(nn.Module):
         return (out,) if self.tuple_output else out
 
 
+class _Stop(Exception):
+    pass
+
+
+def _tuple_output() -> bool:
+    return int(__import__("transformers").__version__.split(".")[0]) < 5
+
+
+def layer_inputs(model, index: int, ids: torch.Tensor) -> torch.Tensor:
+    """The input of decoder layer ``index`` of a model in memory for token windows ``ids`` [n, seqlen], one
+    window at a time, without running the layers from ``index`` on."""
+    layer = models.decoder_layers(model)[index]
+    seen = []
+
+    def record(_module, positional: tuple, named: dict):
+        seen.append((positional[0] if positional else named["hidden_states"]).detach().clone())
+        raise _Stop
+
+    handle = layer.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for i in range(ids.shape[0]):
+                try:
+                    model(input_ids=ids[i:i + 1], use_cache=False)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+    return torch.cat(seen)
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a decoder layer before the first one that runs: passes the hidden states on, the
+    last of them the given layer input instead."""
+
+    def __init__(self, inject=None):
+        super().__init__()
+        self.inject = inject
+
+    def forward(self, hidden_states, *args, **kwargs):
+        out = hidden_states if self.inject is None else self.inject
+        return (out,) if _tuple_output() else out
+
+
+@contextmanager
+def starting_at(model, index: int, hidden: torch.Tensor):
+    """The model's own forward (masks, rotary embeddings, final norm, head) from decoder layer ``index`` on,
+    with ``hidden`` (layer_inputs') as that layer's input: the layers before it are not run. What a model
+    whose changes all lie at or after ``index`` computes, at the cost of its later layers alone."""
+    layers = models.decoder_layers(model)
+    saved = [layers[i] for i in range(index)]
+    for i in range(index):
+        layers[i] = _PassThrough(hidden if i == index - 1 else None)
+    try:
+        yield
+    finally:
+        for i, layer in enumerate(saved):
+            layers[i] = layer
+
+
 def load_config_and_tokenizer(source):
     """(config, tokenizer) of a model_source.ModelSource without reading its weights."""
     from transformers import AutoConfig, AutoTokenizer
@@ -109,7 +169,7 @@ class LayerStream:
         self.embed_name = weight_io.module_name(self.model, self.model.get_input_embeddings()) + ".weight"
         head = self.model.get_output_embeddings()
         self.head_name = weight_io.module_name(self.model, head) + ".weight"
-        self.tuple_output = int(__import__("transformers").__version__.split(".")[0]) < 5
+        self.tuple_output = _tuple_output()
         text = models.text_config(self.config)
         self.softcap = getattr(text, "final_logit_softcapping", None)
         self.hidden_size = text.hidden_size

@@ -377,6 +377,10 @@ def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="what the maps are trained on: the calibration windows (calibration), or those and the "
                             "bundled Python docs and code held out for selection, a third each, never the held-out "
                             f"windows early stopping reads (mix) (default: {refine.DEFAULT_TEXT})")
+    group.add_argument("--refine-balance", action=argparse.BooleanOptionalAction, default=refine.DEFAULT_BALANCE,
+                       help="model form: scale each kind of training text's loss to the same size, so that the kind "
+                            "the model already predicts best still steers the maps (docs/results/refine.md) "
+                            f"(default: {'on' if refine.DEFAULT_BALANCE else 'off'})")
 
 
 def refine_settings(args):
@@ -387,5 +391,5 @@ def refine_settings(args):
     return RefineSettings(form=args.refine_form, tokens=args.refine_tokens, seqlen=args.refine_seqlen,
                           lr=args.refine_lr, top_k=args.refine_top_k, eval_every=args.refine_eval_every,
                           patience=args.refine_patience, epochs=args.refine_epochs, target=args.refine_target,
-                          text=args.refine_text, seed=args.seed,
+                          text=args.refine_text, balance=args.refine_balance, seed=args.seed,
                           memory_budget=args.memory_budget, no_progress=args.no_progress)

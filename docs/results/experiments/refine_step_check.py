@@ -5,6 +5,9 @@
 
 Each variant refines the artifact's selected maps (the model form, the artifact left unchanged) and prints
 the held-out NLL report. "tensor": the step relative to each map tensor's RMS (refine.make_trainable);
+"balanced": the same with RefineSettings.balance (each kind of text's loss scaled to the mean's size);
+"whole": the same as "tensor" with every step run through the whole model instead of from the first
+replaced layer on (refine._Prefix), to time the two side by side;
 "column": each entry's step relative to its input channel's RMS in the starting map instead (the columns of
 the weight, the lag weights and the lag projection down), the tensor's mean kept: a diagonal preconditioner
 for inputs whose channels differ in scale by orders of magnitude (Qwen2.5's)."""
@@ -46,6 +49,13 @@ def column_scaled(make_trainable):
     return wrapped
 
 
+def whole_model(prefix_init):
+    """refine._Prefix's __init__ as if the first replaced layer were layer 0: every step runs the whole model."""
+    def wrapped(self, model, first, windows):
+        prefix_init(self, model, 0, windows)
+    return wrapped
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
@@ -69,25 +79,28 @@ def main(argv=None) -> int:
     layers = artifact.select()
     layer_type, maps = refine_module.artifact_maps(artifact, layers)
     source = resolve_model(args.model)
-    plain = refine_module.make_trainable
+    plain, prefix = refine_module.make_trainable, refine_module._Prefix.__init__
     with open(args.out, "a", encoding="utf-8") as out:
         try:
             for variant in args.variants.split(","):
                 kind, _, lr = variant.partition(":")
                 refine_module.make_trainable = column_scaled(plain) if kind == "column" else plain
+                refine_module._Prefix.__init__ = whole_model(prefix) if kind == "whole" else prefix
                 chosen = refine_module.RefineSettings(lr=float(lr), tokens=args.tokens, text=args.text,
-                                                      no_progress=True)
+                                                      balance=kind == "balanced", no_progress=True)
                 started = time.perf_counter()
                 refined = refine_module.refine(source, settings, layers, layer_type, maps, chosen,
                                                artifact.report.get("data"))
                 row = {"model": args.model, "variant": variant, "layers": layers,
                        "seconds": round(time.perf_counter() - started), "extra": extra} \
-                    | {k: refined.report[k] for k in ("steps", "best_step", "stopped", "heldout", "history")}
+                    | {k: refined.report[k] for k in ("steps", "best_step", "stopped", "heldout", "history")} \
+                    | {"refine_seconds": refined.report["seconds"]}
                 print(json.dumps(row), flush=True)
                 out.write(json.dumps(row) + "\n")
                 out.flush()
         finally:
             refine_module.make_trainable = plain  # the module's own again, also when a variant fails
+            refine_module._Prefix.__init__ = prefix
     return 0
 
 
