@@ -424,3 +424,5 @@ def test_balance_scales_each_kinds_loss_to_the_same_size():
     assert running == pytest.approx({"code": 1.0, "c4": 0.1})
     assert weighted["code"][-1] == pytest.approx(weighted["c4"][-1]) == pytest.approx(0.55)
     assert balance_weight({}, "only", 0.3) == pytest.approx(1.0)  # one kind: unscaled
+    with pytest.raises(NblError, match="--refine-balance .* --refine-form streamed"):
+        RefineSettings(form="streamed", balance=True).check()

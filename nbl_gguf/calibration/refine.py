@@ -100,6 +100,10 @@ class RefineSettings:
             raise NblError(f"--refine-target {self.target!r}: use {' or '.join(TARGETS)}")
         if self.text not in TEXTS:
             raise NblError(f"--refine-text {self.text!r}: use {' or '.join(TEXTS)}")
+        if self.balance and self.form != "model":
+            raise NblError(f"--refine-balance weighs the kinds of text in the model form's loss; --refine-form "
+                           f"{self.form} trains each layer on its own and has no such loss: use --refine-form model "
+                           f"or leave --refine-balance out")
 
     @property
     def learning_rate(self) -> float:
