@@ -296,9 +296,9 @@ def _logits(model, ids: torch.Tensor, start=None) -> torch.Tensor:
 
 class _Prefix:
     """The input of the first replaced layer, computed once for every window the refinement reads: the
-    unmodified layers before it are then not run again at each step and evaluation (the same maps to the
-    bit). Qwen2.5-Coder-0.5B's m = 8 starts at layer 11 of 24, yet the refinement took 299 s against 304 s:
-    its steps are mostly the 152K-token head and loss (docs/results/refine.md)."""
+    unmodified layers before it are then not run again at each step and evaluation (the same logits as the
+    whole forward's). Qwen2.5-Coder-0.5B's m = 8 starts at layer 11 of 24, yet the refinement took 299 s
+    against 304 s: its steps are mostly the 152K-token head and loss (docs/results/refine.md)."""
 
     def __init__(self, model, first: int, windows: torch.Tensor):
         from nbl_gguf.calibration.stream import layer_inputs
