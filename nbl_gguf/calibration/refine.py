@@ -451,7 +451,7 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
         optimizer.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["schedule"])
         step, best, history, waited = saved["step"], saved["best"], saved["history"], saved["waited"]
-        start_nll, running = saved["start_nll"], saved.get("running", {})
+        start_nll, running = saved["start_nll"], saved["running"]
         log(f"refine: resuming after step {step} (state {state.folder})")
     else:
         start_nll = heldout_nll(model, heldout, prefix=heldout_prefix)

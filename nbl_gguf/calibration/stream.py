@@ -81,19 +81,6 @@ def layer_inputs(model, index: int, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(seen)
 
 
-class _PassThrough(nn.Module):
-    """Stands in for a decoder layer before the first one that runs: passes the hidden states on, the
-    last of them the given layer input instead."""
-
-    def __init__(self, inject=None):
-        super().__init__()
-        self.inject = inject
-
-    def forward(self, hidden_states, *args, **kwargs):
-        out = hidden_states if self.inject is None else self.inject
-        return (out,) if _tuple_output() else out
-
-
 @contextmanager
 def starting_at(model, index: int, hidden: torch.Tensor):
     """The model's own forward (masks, rotary embeddings, final norm, head) from decoder layer ``index`` on,
@@ -101,8 +88,9 @@ def starting_at(model, index: int, hidden: torch.Tensor):
     whose changes all lie at or after ``index`` computes, at the cost of its later layers alone."""
     layers = models.decoder_layers(model)
     saved = [layers[i] for i in range(index)]
-    for i in range(index):
-        layers[i] = _PassThrough(hidden if i == index - 1 else None)
+    tuple_output = _tuple_output()
+    for i in range(index):  # what they record is not read
+        layers[i] = _Recorder(i, {}, {}, tuple_output, hidden if i == index - 1 else None)
     try:
         yield
     finally:
