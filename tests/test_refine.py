@@ -380,6 +380,34 @@ def test_refine_text_mix_trains_on_each_kind_alike_and_never_on_the_heldout_wind
         RefineSettings(text="prose").check()
 
 
+@pytest.mark.parametrize("seqlen, held", [(12_000, 1), (30_000, 0)])
+def test_refine_text_mix_at_a_seqlen_near_the_bundled_parts_length_trains_on_the_rest_of_their_text(seqlen, held):
+    """A calibration --seqlen that leaves no whole window of a bundled part after the held-out ones (12,000: one
+    held out of a part of about 18K tokens; 30,000: longer than the part): the mix trains on the part's remaining
+    tokens, cut into pieces, rather than stopping after the calibration; too little left is refused by name."""
+    from transformers import AutoTokenizer
+
+    from nbl_gguf import models
+    from nbl_gguf.calibration.dataset import build_windows, kind_texts
+    from nbl_gguf.calibration.refine import training_pieces_of
+
+    tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
+    piece = 512
+    calib = torch.arange(4 * seqlen).reshape(4, seqlen)
+    composition = {"windows": {"calibration": 1, "prose": held, "code": held}}
+    mixed, kinds = training_pieces_of("mix", calib, piece, tokenizer, composition)
+    count = kinds["calibration"]
+    assert kinds == {"calibration": count, "prose": count, "code": count} and count > 0
+    for offset, kind in enumerate(("prose", "code"), start=1):
+        # the part's whole token stream, from an independent cut: windows of one token
+        stream = build_windows(tokenizer, kind_texts(kind, "selection"), 1 << 20, 1).input_ids.reshape(-1)
+        assert stream.numel() < (held + 1) * seqlen  # no whole window left: the case under test
+        rest = stream[held * seqlen:]
+        assert torch.equal(mixed[offset::3], rest[:rest.numel() // piece * piece].reshape(-1, piece)[:count])
+    with pytest.raises(NblError, match="fewer than one training piece of 512"):
+        training_pieces_of("mix", calib, piece, tokenizer, {"windows": {"prose": 1000, "code": 0}})
+
+
 @pytest.mark.parametrize("family", ["qwen2", "phi3", "smollm3", "gemma2", "gemma3_text", "gemma3"])
 def test_the_forward_from_the_first_replaced_layer_gives_the_whole_models_logits(family):
     """The model form runs the layers before the first replaced one once (stream.layer_inputs) and each step

@@ -186,16 +186,26 @@ def bundled_selection_windows(tokenizer, counts: dict[str, int], seqlen: int):
     return ids, report
 
 
-def bundled_windows_after(tokenizer, kind: str, skip: int, seqlen: int):
+def bundled_windows_after(tokenizer, kind: str, skip: int, seqlen: int, piece: int):
     """The windows [n, seqlen] of a bundled kind's selection part after its first ``skip`` (those that
-    bundled_selection_windows gives the held-out windows): as many as the rest of its text holds."""
-    # as many windows as any bundled part could hold: build_windows reads every document then
-    data = build_windows(tokenizer, kind_texts(kind, SELECTION), 1 << 20, seqlen, name=f"bundled {kind} text")
-    if data.nsamples <= skip:
-        raise NblError(f"the bundled {KINDS[kind].label} held out for selection gives {data.nsamples} windows of "
-                       f"{seqlen} tokens, all of them held out: none is left to train on (a shorter --seqlen, or "
-                       f"--refine-text calibration)")
-    return data.input_ids[skip:]
+    bundled_selection_windows gives the held-out windows): as many as the rest of its text holds. Where no
+    whole window is left (a --seqlen near the part's length or beyond it: Qwen2.5's 32K context, a part of
+    about 16K tokens), the rest as one window of as many whole ``piece``s (the training pieces' length) as it
+    holds, so that a long --seqlen still trains on each kind."""
+    import torch
+
+    label = f"bundled {kind} text"
+    stream, _, _ = _token_stream(tokenizer, kind_texts(kind, SELECTION), 1 << 62, label)  # every document
+    rest = stream[skip * seqlen:]
+    whole = len(rest) // seqlen
+    if whole:
+        return torch.tensor(rest[:whole * seqlen], dtype=torch.long).view(whole, seqlen)
+    usable = len(rest) // piece * piece
+    if not usable:
+        raise NblError(f"the bundled {KINDS[kind].label} held out for selection has {len(rest)} tokens after the "
+                       f"{skip} held-out windows of {seqlen} tokens, fewer than one training piece of {piece}: "
+                       f"none is left to train on (a shorter --refine-seqlen, or --refine-text calibration)")
+    return torch.tensor(rest[:usable], dtype=torch.long).view(1, usable)
 
 
 def _as_text(item, where: str, field: str) -> str:
@@ -315,18 +325,10 @@ def effective_seqlen(seqlen: int, max_positions: int | None) -> int:
     return min(seqlen, max_positions) if max_positions else seqlen
 
 
-def build_windows(tokenizer, texts: Iterable[str], nsamples: int, seqlen: int, *, name: str = "dataset") -> CalibrationData:
-    """Join documents (EOS between them) and cut the stream into up to `nsamples` windows.
-
-    A source with fewer tokens yields fewer windows (the caller reports it); one with less than a
-    single window is an error.
-    """
-    import torch
-
-    if nsamples < 1:
-        raise NblError(f"--nsamples must be positive, got {nsamples}")
+def _token_stream(tokenizer, texts: Iterable[str], needed: int, name: str) -> tuple[list[int], int, str]:
+    """(the documents' tokens joined with EOS between them, how many documents, their sha256), read until
+    ``needed`` tokens or the texts' end."""
     eos = tokenizer.eos_token_id
-    needed = nsamples * seqlen
     stream: list[int] = []
     digest = hashlib.sha256()
     documents = 0
@@ -345,12 +347,26 @@ def build_windows(tokenizer, texts: Iterable[str], nsamples: int, seqlen: int, *
             break
     if documents == 0:
         raise NblError(f"{name} contains no text")
+    return stream, documents, digest.hexdigest()
+
+
+def build_windows(tokenizer, texts: Iterable[str], nsamples: int, seqlen: int, *, name: str = "dataset") -> CalibrationData:
+    """Join documents (EOS between them) and cut the stream into up to `nsamples` windows.
+
+    A source with fewer tokens yields fewer windows (the caller reports it); one with less than a
+    single window is an error.
+    """
+    import torch
+
+    if nsamples < 1:
+        raise NblError(f"--nsamples must be positive, got {nsamples}")
+    stream, documents, digest = _token_stream(tokenizer, texts, nsamples * seqlen, name)
     windows = min(nsamples, len(stream) // seqlen)
     if windows == 0:
         raise NblError(f"{name} has only {len(stream)} tokens, fewer than one window of --seqlen {seqlen}; "
                        f"pass a smaller --seqlen or more text")
     ids = torch.tensor(stream[: windows * seqlen], dtype=torch.long).view(windows, seqlen)
-    return CalibrationData(ids, nsamples, seqlen, documents, digest.hexdigest())
+    return CalibrationData(ids, nsamples, seqlen, documents, digest)
 
 
 def load_calibration(tokenizer, dataset: str | None, nsamples: int, seqlen: int, *, config: str | None = None,

@@ -255,8 +255,8 @@ def training_pieces_of(text: str, calib: torch.Tensor, seqlen: int, tokenizer=No
     held = (composition or {}).get("windows", {})
     parts = {CALIBRATION_KIND: own}
     for kind in MIX_KINDS[1:]:
-        parts[kind] = training_pieces(bundled_windows_after(tokenizer, kind, held.get(kind, 0), calib.shape[1]),
-                                      seqlen)
+        parts[kind] = training_pieces(
+            bundled_windows_after(tokenizer, kind, held.get(kind, 0), calib.shape[1], own.shape[1]), own.shape[1])
     count = min(int(part.shape[0]) for part in parts.values())
     # interleaved (calibration, docs, code, calibration, ...): each kind's share is the same in any prefix
     mixed = torch.stack([part[:count] for part in parts.values()], dim=1).reshape(-1, own.shape[1])
