@@ -451,3 +451,42 @@ def test_a_swap_that_no_longer_fits_is_left_out():
     every = kv_budget.swap_globals(f16[0], [1, 2, 0])
     assert [c.windows for c in every] == [(0, 2)]
     assert kv_budget.kv_bytes(model, n_ctx, "f16", windows=(0, 2), window=window) > budget
+
+
+def test_the_log_estimates_the_candidates_time_from_the_stock_files_own(monkeypatch):
+    """After the stock file is measured, the log says how long the candidates will take at its pace: each
+    candidate's perplexity as long as stock's, each passkey test as long as stock's."""
+    from nbl_gguf.llamacpp import perplexity as llama_perplexity
+    from nbl_gguf.measurement import passkey as passkey_module
+
+    now = [0.0]
+    model = KvModel(layers=tuple(KvLayer(w, w) for w in (256, 64, 256, 64, 128)))
+    found = kv_budget.candidates(model, 32768, 40 * 10 ** 6, [3, 1, 4, 0], [2, 0, 4, 1, 3], [(512, 4)])
+    paths = {c: f"c{i}" for i, c in enumerate(found)}
+
+    def fake_perplexity(path, text, **_):
+        now[0] += 400.0 if path == "stock" else 1.0  # stock: 400 s a text, two texts
+        return type("P", (), {"ppl": 10.0})()
+
+    def fake_passkey(path, lengths, depths, **_):
+        now[0] += 1200.0 if path == "stock" else 1.0
+        return passkey_module.PasskeyResult([passkey_module.Trial(lengths[0], d, 1, 10, "1") for d in depths])
+
+    monkeypatch.setattr(llama_perplexity, "perplexity", fake_perplexity)
+    monkeypatch.setattr(passkey_module, "passkey", fake_passkey)
+    lines = []
+    kv_budget.measure("stock", paths, {"c4": "t", "code": "u"}, 4096, 1, 1, log=lines.append,
+                      recall_depths=(0.5,), clock=lambda: now[0])
+    estimate = [line for line in lines if "will take" in line]
+    hours = len(found) * 800 / 3600
+    assert estimate == [f"kv budget: stock measured in 800 s (perplexity) and 1,200 s (passkey); the {len(found)} "
+                        f"candidates' perplexities will take about {hours:.1f} h, and each passkey test about 20 min "
+                        f"(at least one)"], lines
+    assert len(found) * 800 >= 5400  # the hours branch, as an 8B model's would be
+
+    lines.clear()  # no passkey test: no passkey estimate
+    assert 90 <= len(found) * 400 < 5400  # the minutes branch
+    kv_budget.measure("stock", paths, {"c4": "t"}, 4096, 1, 1, log=lines.append, clock=lambda: now[0])
+    assert [line for line in lines if "will take" in line] == [
+        f"kv budget: stock measured in 400 s (perplexity); the {len(found)} candidates' perplexities will take "
+        f"about {len(found) * 400 / 60:.0f} min"]

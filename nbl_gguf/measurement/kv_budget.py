@@ -32,6 +32,7 @@ leave-one-out on probes in repeated filler), measured like the others.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -227,6 +228,23 @@ def format_mib(n: int) -> str:
     return f"{n / 2 ** 20:,.2f} MiB"
 
 
+def estimate_line(candidates: int, perplexity_s: float, passkey_s: float | None) -> str:
+    """What the rest of the measuring will take, from the stock file's own times: each candidate's perplexity
+    about as long as stock's (a quantized cache or window layers run about as fast, or faster, at these
+    contexts: docs/results/frontier.md), and each passkey test as long as stock's (at least one is taken)."""
+    line = (f"kv budget: stock measured in {perplexity_s:,.0f} s (perplexity)"
+            + (f" and {passkey_s:,.0f} s (passkey)" if passkey_s is not None else "")
+            + f"; the {candidates} candidates' perplexities will take about {_duration(candidates * perplexity_s)}")
+    if passkey_s is not None:
+        line += f", and each passkey test about {_duration(passkey_s)} (at least one)"
+    return line
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min" if seconds >= 90 \
+        else f"{seconds:.0f} s"
+
+
 @dataclass
 class Measured:
     candidate: Candidate
@@ -239,12 +257,14 @@ class Measured:
 
 
 def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int, chunks: int, threads, log=print,
-            recall_depths: tuple[float, ...] = ()):
+            recall_depths: tuple[float, ...] = (), clock=None):
     """(the stock F16 perplexities, a Measured per candidate best first, the passkeys stock found (None without
     ``recall_depths``)). Best first: those that hold no window layer the retrieval walk refused, then those that
     find as many passkeys as stock, each group by perplexity (those that find fewer: by the keys they find
     first). The passkey test (a few minutes a file at long
-    contexts) is taken in that order until a candidate finds as many keys as stock; the rest keep found None."""
+    contexts) is taken in that order until a candidate finds as many keys as stock; the rest keep found None.
+    The stock file's own times (``clock``: seconds, time.monotonic by default) give the log an estimate of the
+    rest: at 8B on a 2-core CPU the candidates take hours (docs/scale.md), which a user should know early."""
     from nbl_gguf.llamacpp.perplexity import perplexity
     from nbl_gguf.measurement.passkey import longest_prompt, passkey
 
@@ -259,9 +279,15 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
         result = passkey(path, (longest_prompt(n_ctx),), recall_depths, kv_type=kv_type, threads=threads)
         return sum(trial.found for trial in result.trials)
 
-    base, stock_found = run(stock_path, "f16"), recall(stock_path, "f16")
+    clock = clock or time.monotonic
+    started = clock()
+    base = run(stock_path, "f16")
+    perplexity_s = clock() - started
+    stock_found = recall(stock_path, "f16")
+    passkey_s = clock() - started - perplexity_s
     if stock_found is not None:
         log(f"kv budget: stock, KV f16: passkey at {n_ctx} found {stock_found}/{len(recall_depths)}")
+    log(estimate_line(len(files), perplexity_s, passkey_s if stock_found is not None else None))
     measured = []
     for candidate, path in files.items():
         ppl = run(path, candidate.kv_type)
