@@ -257,13 +257,13 @@ class Measured:
 
 
 def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int, chunks: int, threads, log=print,
-            recall_depths: tuple[float, ...] = (), clock=None):
+            recall_depths: tuple[float, ...] = (), clock=time.monotonic):
     """(the stock F16 perplexities, a Measured per candidate best first, the passkeys stock found (None without
     ``recall_depths``)). Best first: those that hold no window layer the retrieval walk refused, then those that
     find as many passkeys as stock, each group by perplexity (those that find fewer: by the keys they find
     first). The passkey test (a few minutes a file at long
     contexts) is taken in that order until a candidate finds as many keys as stock; the rest keep found None.
-    The stock file's own times (``clock``: seconds, time.monotonic by default) give the log an estimate of the
+    The stock file's own times (``clock``: seconds) give the log an estimate of the
     rest: at 8B on a 2-core CPU the candidates take hours (docs/scale.md), which a user should know early."""
     from nbl_gguf.llamacpp.perplexity import perplexity
     from nbl_gguf.measurement.passkey import longest_prompt, passkey
@@ -279,15 +279,14 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
         result = passkey(path, (longest_prompt(n_ctx),), recall_depths, kv_type=kv_type, threads=threads)
         return sum(trial.found for trial in result.trials)
 
-    clock = clock or time.monotonic
     started = clock()
     base = run(stock_path, "f16")
-    perplexity_s = clock() - started
+    perplexity_done = clock()
     stock_found = recall(stock_path, "f16")
-    passkey_s = clock() - started - perplexity_s
+    passkey_s = clock() - perplexity_done
     if stock_found is not None:
         log(f"kv budget: stock, KV f16: passkey at {n_ctx} found {stock_found}/{len(recall_depths)}")
-    log(estimate_line(len(files), perplexity_s, passkey_s if stock_found is not None else None))
+    log(estimate_line(len(files), perplexity_done - started, passkey_s if stock_found is not None else None))
     measured = []
     for candidate, path in files.items():
         ppl = run(path, candidate.kv_type)
