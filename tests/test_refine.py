@@ -274,11 +274,64 @@ def test_a_refinement_that_would_not_fit_is_refused_before_anything_loads(checkp
 
     monkeypatch.setattr(models, "load_model", no_load)
     source = resolve_model(str(checkpoint / "model"))
-    settings = RefineSettings(memory_budget=1e-6, seqlen=4096)
+    settings = RefineSettings(form="model", memory_budget=1e-6, seqlen=4096)
     with pytest.raises(NblError, match=r"--refine \(model\) needs about .* GiB: the model's weights .* and the "
                                        r"activations of a 4096-token window .*; 0.00 GiB are available to it: use a "
                                        r"shorter --refine-seqlen \(or --refine-form streamed"):
         refine_module.refine(source, Settings(model=str(checkpoint / "model")), [1], ATTN_LINEAR, {}, settings)
+
+
+def test_the_auto_form_is_the_model_form_where_it_fits_else_the_streamed_one(checkpoint):
+    from transformers import AutoConfig
+
+    config, dtype = AutoConfig.from_pretrained(str(checkpoint / "model")), torch.float32
+    whole, _ = refine_module.model_bytes(config, "model", 512, dtype)
+    one_layer, _ = refine_module.model_bytes(config, "streamed", 512, dtype)
+    assert RefineSettings().form == "auto" and one_layer < whole
+    said = []
+    assert refine_module.resolve_form(config, RefineSettings(), dtype, whole, said.append).form == "model"
+    assert not said
+    chosen = refine_module.resolve_form(config, RefineSettings(), dtype, whole - 1, said.append)
+    assert chosen.form == "streamed" and chosen.learning_rate == refine_module.DEFAULT_LR["streamed"]
+    assert said == [f"refine: the model form needs about {whole / 2**30:.2f} GiB (the model's weights "
+                    f"{said[0].split('weights ')[1].split(' GiB')[0]} GiB and the activations of a 512-token window "
+                    f"{said[0].split('window ')[1].split(' GiB')[0]} GiB), {(whole - 1) / 2**30:.2f} GiB are available "
+                    f"to it: the streamed form, one layer in memory"]
+    refine_module.check_memory(config, chosen, dtype, whole - 1)  # fits
+    # a form asked for by name is kept; --refine-balance has the model form only, refused where it does not fit
+    assert refine_module.resolve_form(config, RefineSettings(form="model"), dtype, 0).form == "model"
+    balanced = refine_module.resolve_form(config, RefineSettings(balance=True), dtype, whole - 1)
+    assert balanced.form == "model"
+    with pytest.raises(NblError, match=r"--refine \(model\) needs about"):
+        refine_module.check_memory(config, balanced, dtype, whole - 1)
+    with pytest.raises(NblError, match="resolve_form first"):
+        RefineSettings().learning_rate
+
+
+def test_a_refinement_takes_the_streamed_form_when_the_model_form_would_not_fit(checkpoint, monkeypatch):
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.calibration.settings import Settings
+    from nbl_gguf.model_source import resolve_model
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(checkpoint / "cache"))
+    common = dict(model=str(checkpoint / "model"), dataset=str(checkpoint / "data.jsonl"), nsamples=8, seqlen=32)
+    out = checkpoint / "auto-streamed"
+    assert run_calibrate(*[x for k, v in common.items() for x in (f"--{k}", v)], "--no-progress", "--m", 2,
+                         "--taps", 2, "-o", out) == 0
+    artifact = load_artifact(out)
+    config = AutoConfig.from_pretrained(str(checkpoint / "model"))
+    # bf16 weights on a CPU with bf16 matmuls, else float32: a budget between the two forms' needs in either
+    needs = {form: [refine_module.model_bytes(config, form, 16, dtype)[0] for dtype in (torch.bfloat16, torch.float32)]
+             for form in refine_module.FORMS}
+    assert max(needs["streamed"]) < min(needs["model"])
+    budget = (max(needs["streamed"]) + min(needs["model"])) / 2 / 2**30
+    said = []
+    refined = refine_module.refine_artifact(artifact, resolve_model(common["model"]), Settings(**common),
+                                            artifact.select(), RefineSettings(tokens=64, seqlen=16, memory_budget=budget,
+                                                                              no_progress=True), said.append)
+    assert any(line.endswith("the streamed form, one layer in memory") for line in said)
+    assert refined.report["refine"]["form"] == "streamed" and refined.report["refine"]["settings"]["form"] == "streamed"
 
 
 def test_refine_options_are_checked_before_calibrating(checkpoint):

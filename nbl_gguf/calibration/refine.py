@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -34,7 +34,12 @@ from nbl_gguf import models
 from nbl_gguf.errors import NblError
 
 FORMS = ("model", "streamed")
-DEFAULT_FORM = "model"
+# "auto": the model form where it fits the memory budget, else the streamed form (one layer in memory). Where
+# both fit, the model form: on SmolLM2 m = 12 taps it took C4 to +26.4% against the streamed form's +33.3%;
+# on Qwen2.5-Coder-0.5B m = 8 taps the two were alike (docs/results/refine.md)
+AUTO_FORM = "auto"
+FORM_CHOICES = (AUTO_FORM,) + FORMS
+DEFAULT_FORM = AUTO_FORM
 # half the CPU calibration's tokens (32 x 2048), read DEFAULT_SEQLEN at a time (docs/results/refine.md)
 DEFAULT_TOKENS = 32768
 DEFAULT_SEQLEN = 512
@@ -87,8 +92,8 @@ class RefineSettings:
     no_progress: bool = False
 
     def check(self) -> None:
-        if self.form not in FORMS:
-            raise NblError(f"--refine-form {self.form!r}: use {' or '.join(FORMS)}")
+        if self.form not in FORM_CHOICES:
+            raise NblError(f"--refine-form {self.form!r}: use {', '.join(FORM_CHOICES[:-1])} or {FORM_CHOICES[-1]}")
         for name, value, least in (("--refine-tokens", self.tokens, 1), ("--refine-seqlen", self.seqlen, 2),
                                    ("--refine-top-k", self.top_k, 1), ("--refine-eval-every", self.eval_every, 1),
                                    ("--refine-patience", self.patience, 1), ("--refine-epochs", self.epochs, 1)):
@@ -100,13 +105,15 @@ class RefineSettings:
             raise NblError(f"--refine-target {self.target!r}: use {' or '.join(TARGETS)}")
         if self.text not in TEXTS:
             raise NblError(f"--refine-text {self.text!r}: use {' or '.join(TEXTS)}")
-        if self.balance and self.form != "model":
+        if self.balance and self.form == "streamed":
             raise NblError(f"--refine-balance weighs the kinds of text in the model form's loss; --refine-form "
                            f"{self.form} trains each layer on its own and has no such loss: use --refine-form model "
                            f"or leave --refine-balance out")
 
     @property
     def learning_rate(self) -> float:
+        if self.form not in FORMS:
+            raise NblError(f"--refine-form {self.form}: the learning rate is the chosen form's (resolve_form first)")
         return DEFAULT_LR[self.form] if self.lr is None else self.lr
 
     def recorded(self) -> dict:
@@ -219,6 +226,19 @@ def model_bytes(config, form: str, seqlen: int, dtype) -> tuple[int, str]:
     what = (f"{'the model' if form == 'model' else 'one layer'}'s weights {weights / 2**30:.2f} GiB and the "
             f"activations of a {seqlen}-token window {activations / 2**30:.2f} GiB")
     return weights + activations, what
+
+
+def resolve_form(config, settings: RefineSettings, dtype, available: int, log=None) -> RefineSettings:
+    """``settings`` with --refine-form auto made a form: the model form where it fits ``available`` bytes (and
+    always with --refine-balance, which only it has), else the streamed form; said in ``log``."""
+    if settings.form != AUTO_FORM:
+        return settings
+    needed, what = model_bytes(config, "model", settings.seqlen, dtype)
+    form = "model" if settings.balance or needed <= available else "streamed"
+    if form == "streamed" and log:
+        log(f"refine: the model form needs about {needed / 2**30:.2f} GiB ({what}), {available / 2**30:.2f} GiB "
+            f"are available to it: the streamed form, one layer in memory")
+    return replace(settings, form=form)
 
 
 def check_memory(config, settings: RefineSettings, dtype, available: int) -> None:
@@ -651,6 +671,7 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     config = AutoConfig.from_pretrained(str(source.hf_folder()))
     available = memory_budget_bytes(calibration) if settings.memory_budget is None \
         else int(settings.memory_budget * 2**30)
+    settings = resolve_form(config, settings, dtype, available, log)
     check_memory(config, settings, dtype, available)
     if calibration.threads is not None:
         torch.set_num_threads(calibration.threads)

@@ -347,8 +347,9 @@ def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
                             "(model: KL of the next-token distributions, the whole model in memory; streamed: each "
                             "block's output, one layer in memory); the LMMSE maps stay in the artifact "
                             "(docs/results/refine.md) (default: off)")
-    group.add_argument("--refine-form", default=refine.DEFAULT_FORM, choices=refine.FORMS,
-                       help=f"(default: {refine.DEFAULT_FORM})")
+    group.add_argument("--refine-form", default=refine.DEFAULT_FORM, choices=refine.FORM_CHOICES,
+                       help=f"{refine.AUTO_FORM}: the model form where it fits the memory budget, else the streamed "
+                            f"one (default: {refine.DEFAULT_FORM})")
     group.add_argument("--refine-tokens", type=positive_int, default=refine.DEFAULT_TOKENS, metavar="N",
                        help=f"training tokens read (default: {refine.DEFAULT_TOKENS})")
     group.add_argument("--refine-seqlen", type=positive_int, default=refine.DEFAULT_SEQLEN, metavar="N",

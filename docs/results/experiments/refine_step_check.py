@@ -86,7 +86,7 @@ def main(argv=None) -> int:
                 kind, _, lr = variant.partition(":")
                 refine_module.make_trainable = column_scaled(plain) if kind == "column" else plain
                 refine_module._Prefix.__init__ = whole_model(prefix) if kind == "whole" else prefix
-                chosen = refine_module.RefineSettings(lr=float(lr), tokens=args.tokens, text=args.text,
+                chosen = refine_module.RefineSettings(form="model", lr=float(lr), tokens=args.tokens, text=args.text,
                                                       balance=kind == "balanced", no_progress=True)
                 started = time.perf_counter()
                 refined = refine_module.refine(source, settings, layers, layer_type, maps, chosen,
