@@ -341,7 +341,27 @@ def test_refine_options_are_checked_before_calibrating(checkpoint):
         run_calibrate(*common, "--refine", "--method", "attn-drop")
     with pytest.raises(NblError, match="--refine-lr must be a positive number, got -1"):
         run_calibrate(*common, "--refine", "--refine-lr", -1)
+    with pytest.raises(NblError, match=r"--refine \(model\) needs about .* GiB are available to it"):
+        run_calibrate(*common, "--refine", "--refine-form", "model", "--memory-budget", 1e-6)
     assert not (checkpoint / "never").exists()
+
+
+def test_convert_refuses_a_refinement_that_would_not_fit_before_it_calibrates(tmp_path, monkeypatch, capsys):
+    from nbl_gguf.cli import main
+    from nbl_gguf.calibration import calibrate as calibrate_module
+
+    from _convert_helpers import save_tiny_llama
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("the calibration ran")
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibrate_module, "calibrate", no_calibration)
+    model = save_tiny_llama(tmp_path / "model")
+    assert main(["convert", "--model", str(model), "--m", "2", "--quant", "f32", "--no-eval", "--no-progress", "--refine",
+                 "--refine-form", "model", "--memory-budget", "1e-6", "-o", str(tmp_path / "never.gguf")]) != 0
+    assert "--refine (model) needs about" in capsys.readouterr().err
+    assert not (tmp_path / "never.gguf").exists()
 
 
 def test_convert_refuses_what_a_refinement_cannot_serve():

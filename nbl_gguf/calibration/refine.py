@@ -652,6 +652,23 @@ def heldout_kinds(composition: dict | None, count: int) -> list[str] | None:
     return kinds if len(kinds) == count else None
 
 
+def planned(source, calibration, settings: RefineSettings, log=None) -> RefineSettings:
+    """``settings`` checked, their form chosen for the model ``source`` and the memory that ``calibration``
+    (calibration.settings.Settings) allows, and refused when that form would not fit: nothing is loaded, so the
+    commands ask before they calibrate."""
+    from nbl_gguf.calibration.settings import memory_budget_bytes
+    from transformers import AutoConfig
+
+    settings.check()
+    dtype = models.resolve_dtype(calibration.dtype, models.resolve_device(calibration.device))
+    config = AutoConfig.from_pretrained(str(source.hf_folder()))
+    available = memory_budget_bytes(calibration) if settings.memory_budget is None \
+        else int(settings.memory_budget * 2**30)
+    settings = resolve_form(config, settings, dtype, available, log)
+    check_memory(config, settings, dtype, available)
+    return settings
+
+
 def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, settings: RefineSettings,
            artifact_data: dict | None = None, log=None) -> Refined:
     """Refine the maps of ``layers`` (their LMMSE fit ``maps``, of apply.py's ``layer_type``) of the model
@@ -659,20 +676,16 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     names; ``artifact_data``: the artifact's record of its windows, to say when they differ."""
     from nbl_gguf.calibration import dataset
     from nbl_gguf.calibration.resume import CalibrationState, digest, model_identity, tokens_digest
-    from nbl_gguf.calibration.settings import DEFAULT_NSAMPLES, memory_budget_bytes
+    from nbl_gguf.calibration.settings import DEFAULT_NSAMPLES
     from transformers import AutoConfig
 
     log = log or (lambda text: print(text, file=sys.stderr))
-    settings.check()
     if not layers:
         raise NblError("--refine: no layer is replaced, so there is no map to refine")
+    settings = planned(source, calibration, settings, log)
     device = models.resolve_device(calibration.device)
     dtype = models.resolve_dtype(calibration.dtype, device)
     config = AutoConfig.from_pretrained(str(source.hf_folder()))
-    available = memory_budget_bytes(calibration) if settings.memory_budget is None \
-        else int(settings.memory_budget * 2**30)
-    settings = resolve_form(config, settings, dtype, available, log)
-    check_memory(config, settings, dtype, available)
     if calibration.threads is not None:
         torch.set_num_threads(calibration.threads)
     torch.manual_seed(settings.seed)

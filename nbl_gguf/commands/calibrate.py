@@ -44,15 +44,15 @@ def settings(args: argparse.Namespace) -> Settings:
 def run(args: argparse.Namespace) -> int:
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.calibration.calibrate import calibrate
-    from nbl_gguf.calibration.refine import check_refinable, refine_artifact
+    from nbl_gguf.calibration.refine import check_refinable, planned, refine_artifact
     from nbl_gguf.calibration.report import describe_artifact
     from nbl_gguf.model_source import resolve_model
 
     chosen = settings(args)
     refine = flags.refine_settings(args) if args.refine else None
-    if refine is not None:
-        refine.check()  # before the calibration: a typo costs nothing
+    if refine is not None:  # before the calibration: a typo, or a form that would not fit, costs nothing
         check_refinable(chosen.method)
+        refine = planned(resolve_model(chosen.model), chosen, refine)
     path = calibrate(chosen)
     artifact = load_artifact(path)
     if refine is not None:

@@ -292,8 +292,13 @@ def convert(args) -> Summary:
     flags.check_calibration(args.calibration)
     if args.eval_chunks < 1:
         raise NblError(f"--eval-chunks must be at least 1, got {args.eval_chunks}")
+    refine_plan = None
     if args.refine:
+        from nbl_gguf.calibration.refine import planned
+
         check_refine(args, method)
+        model = source.gguf.path if source.gguf is not None else source.hf_folder()
+        refine_plan = planned(source, calibration_settings(args, output.parent, model, taps), flags.refine_settings(args))
 
     steps = ["calibrate" if not args.calibration else "load calibration"]
     if source.gguf is None and args.stock_gguf is None:
@@ -345,7 +350,7 @@ def convert(args) -> Summary:
             with stage("refine"):
                 if selected and not artifact.refined_for(selected, taps):
                     artifact = refine_artifact(artifact, source, calibration_settings(args, artifact.path, model, taps),
-                                               selected, flags.refine_settings(args))
+                                               selected, refine_plan)
         layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
         if not args.calibration:
             # the calibration's own stages, measured inside it (layers, selection, ...)
