@@ -289,10 +289,11 @@ def test_the_auto_form_is_the_model_form_where_it_fits_else_the_streamed_one(che
     one_layer, _ = refine_module.model_bytes(config, "streamed", 512, dtype)
     assert RefineSettings().form == "auto" and one_layer < whole
     said = []
-    assert refine_module.resolve_form(config, RefineSettings(), dtype, whole, said.append).form == "model"
-    assert not said
+    model_form = refine_module.resolve_form(config, RefineSettings(), dtype, whole, said.append)
+    assert (model_form.form, model_form.balance) == ("model", refine_module.DEFAULT_BALANCE) and not said
     chosen = refine_module.resolve_form(config, RefineSettings(), dtype, whole - 1, said.append)
     assert chosen.form == "streamed" and chosen.learning_rate == refine_module.DEFAULT_LR["streamed"]
+    assert chosen.balance is False  # the streamed form has no loss over kinds to weigh
     assert said == [f"refine: the model form needs about {whole / 2**30:.2f} GiB (the model's weights "
                     f"{said[0].split('weights ')[1].split(' GiB')[0]} GiB and the activations of a 512-token window "
                     f"{said[0].split('window ')[1].split(' GiB')[0]} GiB), {(whole - 1) / 2**30:.2f} GiB are available "
@@ -300,6 +301,7 @@ def test_the_auto_form_is_the_model_form_where_it_fits_else_the_streamed_one(che
     refine_module.check_memory(config, chosen, dtype, whole - 1)  # fits
     # a form asked for by name is kept; --refine-balance has the model form only, refused where it does not fit
     assert refine_module.resolve_form(config, RefineSettings(form="model"), dtype, 0).form == "model"
+    assert refine_module.resolve_form(config, RefineSettings(balance=False), dtype, whole).balance is False
     balanced = refine_module.resolve_form(config, RefineSettings(balance=True), dtype, whole - 1)
     assert balanced.form == "model"
     with pytest.raises(NblError, match=r"--refine \(model\) needs about"):
@@ -331,7 +333,9 @@ def test_a_refinement_takes_the_streamed_form_when_the_model_form_would_not_fit(
                                             artifact.select(), RefineSettings(tokens=64, seqlen=16, memory_budget=budget,
                                                                               no_progress=True), said.append)
     assert any(line.endswith("the streamed form, one layer in memory") for line in said)
-    assert refined.report["refine"]["form"] == "streamed" and refined.report["refine"]["settings"]["form"] == "streamed"
+    assert refined.report["refine"]["form"] == "streamed"
+    assert refined.report["refine"]["settings"]["form"] == "streamed"
+    assert refined.report["refine"]["settings"]["balance"] is False
 
 
 def test_refine_options_are_checked_before_calibrating(checkpoint):

@@ -62,7 +62,12 @@ DEFAULT_TARGET = "trajectory"
 # (docs/results/refine.md)
 TEXTS = ("calibration", "mix")
 DEFAULT_TEXT = "mix"
-DEFAULT_BALANCE = False
+# --refine-balance: on wherever the model form runs (the streamed form trains each layer on its own, with no
+# loss to weigh). Qwen2.5-Coder-0.5B m = 8 taps: unbalanced, C4 ends worse than the LMMSE maps (+0.5% on 16,384
+# unseen tokens at 4,096, +2.3% on the evaluation text) while docs and code gain; balanced, C4 gains too (-0.4%
+# there, -1.4 points at 512) for 0.9-2.4 points of docs and code; SmolLM2 m = 12: C4 and docs 0.1-0.5 points
+# better, code 3 worse (docs/results/refine.md). Every kind at least as good as the LMMSE maps is issue 33's bar.
+DEFAULT_BALANCE = True
 # what the state key and the report record of the settings: not where progress goes or how much memory was allowed
 UNRECORDED = ("no_progress", "memory_budget")
 
@@ -86,7 +91,8 @@ class RefineSettings:
     text: str = DEFAULT_TEXT
     # each kind of training text's loss scaled by the mean over kinds of their running losses over its own, so
     # that a kind whose KL is small (Qwen2.5's C4 beside its code) steers the maps as much as the others
-    balance: bool = DEFAULT_BALANCE
+    # None: DEFAULT_BALANCE where the model form runs (resolve_form); off where read unresolved
+    balance: bool | None = None
     seed: int = 0
     memory_budget: float | None = None  # GiB; None: half the memory available (settings.memory_budget_bytes)
     no_progress: bool = False
@@ -230,15 +236,17 @@ def model_bytes(config, form: str, seqlen: int, dtype) -> tuple[int, str]:
 
 def resolve_form(config, settings: RefineSettings, dtype, available: int, log=None) -> RefineSettings:
     """``settings`` with --refine-form auto made a form: the model form where it fits ``available`` bytes (and
-    always with --refine-balance, which only it has), else the streamed form; said in ``log``."""
-    if settings.form != AUTO_FORM:
-        return settings
-    needed, what = model_bytes(config, "model", settings.seqlen, dtype)
-    form = "model" if settings.balance or needed <= available else "streamed"
-    if form == "streamed" and log:
-        log(f"refine: the model form needs about {needed / 2**30:.2f} GiB ({what}), {available / 2**30:.2f} GiB "
-            f"are available to it: the streamed form, one layer in memory")
-    return replace(settings, form=form)
+    always with --refine-balance asked for, which only it has), else the streamed form, said in ``log``; and
+    --refine-balance left unsaid made the form's default."""
+    form = settings.form
+    if form == AUTO_FORM:
+        needed, what = model_bytes(config, "model", settings.seqlen, dtype)
+        form = "model" if settings.balance or needed <= available else "streamed"
+        if form == "streamed" and log:
+            log(f"refine: the model form needs about {needed / 2**30:.2f} GiB ({what}), {available / 2**30:.2f} GiB "
+                f"are available to it: the streamed form, one layer in memory")
+    balance = (DEFAULT_BALANCE and form == "model") if settings.balance is None else settings.balance
+    return replace(settings, form=form, balance=balance)
 
 
 def check_memory(config, settings: RefineSettings, dtype, available: int) -> None:

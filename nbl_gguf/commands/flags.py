@@ -378,10 +378,10 @@ def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="what the maps are trained on: the calibration windows (calibration), or those and the "
                             "bundled Python docs and code held out for selection, a third each, never the held-out "
                             f"windows early stopping reads (mix) (default: {refine.DEFAULT_TEXT})")
-    group.add_argument("--refine-balance", action=argparse.BooleanOptionalAction, default=refine.DEFAULT_BALANCE,
+    group.add_argument("--refine-balance", action=argparse.BooleanOptionalAction, default=None,
                        help="model form: scale each kind of training text's loss to the same size, so that the kind "
                             "the model already predicts best still steers the maps (docs/results/refine.md) "
-                            f"(default: {'on' if refine.DEFAULT_BALANCE else 'off'})")
+                            f"(default: {'on' if refine.DEFAULT_BALANCE else 'off'} with the model form)")
 
 
 def refine_settings(args):
