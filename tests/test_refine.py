@@ -229,7 +229,7 @@ def test_calibrate_refine_keeps_both_maps_and_a_gguf_takes_the_refined_ones_for_
     assert run_calibrate(*common, "--m", 2, "--taps", 2, "-o", out, "--refine", "--refine-tokens", 128,
                          "--refine-seqlen", 16, "--refine-eval-every", 2, "--refine-lr", 0.1) == 0
     printed = capsys.readouterr()
-    assert "refined (model form) the maps of layers" in printed.out
+    assert "refined (model form, each kind of text's loss weighed alike) the maps of layers" in printed.out
     assert "windows differ" not in printed.err  # refined on the windows the maps were fitted on
     artifact = load_artifact(out)
     layers = artifact.select()

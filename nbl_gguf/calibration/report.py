@@ -111,5 +111,7 @@ def describe_refine(refine: dict) -> str:
         parts.append(f"{kind} {before:+.1f}% -> {after:+.1f}%")
     steps = (f"{refine['steps']} steps, kept step {refine['best_step']} ({refine['stopped']})"
              if "best_step" in refine else f"{refine.get('epochs', '?')} epochs a layer")
-    return (f"refined ({refine['form']} form) the maps of layers {', '.join(map(str, refine['layers']))}: {steps}, "
+    settings = refine.get("settings", {})
+    weighed = ", each kind of text's loss weighed alike" if settings.get("balance") and settings.get("text") == "mix" else ""
+    return (f"refined ({refine['form']} form{weighed}) the maps of layers {', '.join(map(str, refine['layers']))}: {steps}, "
             f"{refine['seconds']:.0f} s; held-out perplexity vs unmodified, LMMSE -> refined: {'; '.join(parts)}")
