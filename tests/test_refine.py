@@ -338,7 +338,7 @@ def test_a_refinement_takes_the_streamed_form_when_the_model_form_would_not_fit(
     assert refined.report["refine"]["settings"]["balance"] is False
 
 
-def test_refine_options_are_checked_before_calibrating(checkpoint):
+def test_refine_options_are_checked_before_calibrating(checkpoint, capsys):
     common = ["--model", checkpoint / "model", "--dataset", checkpoint / "data.jsonl", "--no-progress", "--nsamples", 8,
               "--seqlen", 32, "-o", checkpoint / "never"]
     with pytest.raises(NblError, match="--refine tunes the maps of attn-nbl layers; --method is attn-drop"):
@@ -347,6 +347,10 @@ def test_refine_options_are_checked_before_calibrating(checkpoint):
         run_calibrate(*common, "--refine", "--refine-lr", -1)
     with pytest.raises(NblError, match=r"--refine \(model\) needs about .* GiB are available to it"):
         run_calibrate(*common, "--refine", "--refine-form", "model", "--memory-budget", 1e-6)
+    # the default form takes the streamed one there and says so; nor does that fit
+    with pytest.raises(NblError, match=r"--refine \(streamed\) needs about .* GiB: one layer's weights"):
+        run_calibrate(*common, "--refine", "--memory-budget", 1e-6)
+    assert "the streamed form, one layer in memory" in capsys.readouterr().err
     assert not (checkpoint / "never").exists()
 
 

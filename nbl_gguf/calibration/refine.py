@@ -667,6 +667,7 @@ def planned(source, calibration, settings: RefineSettings, log=None) -> RefineSe
     from nbl_gguf.calibration.settings import memory_budget_bytes
     from transformers import AutoConfig
 
+    log = log or (lambda text: print(text, file=sys.stderr))
     settings.check()
     dtype = models.resolve_dtype(calibration.dtype, models.resolve_device(calibration.device))
     config = AutoConfig.from_pretrained(str(source.hf_folder()))
