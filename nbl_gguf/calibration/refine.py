@@ -664,13 +664,18 @@ def planned(source, calibration, settings: RefineSettings, log=None) -> RefineSe
     """``settings`` checked, their form chosen for the model ``source`` and the memory that ``calibration``
     (calibration.settings.Settings) allows, and refused when that form would not fit: nothing is loaded, so the
     commands ask before they calibrate."""
-    from nbl_gguf.calibration.settings import memory_budget_bytes
     from transformers import AutoConfig
+
+    dtype = models.resolve_dtype(calibration.dtype, models.resolve_device(calibration.device))
+    return fitted(AutoConfig.from_pretrained(str(source.hf_folder())), dtype, calibration, settings, log)
+
+
+def fitted(config, dtype, calibration, settings: RefineSettings, log=None) -> RefineSettings:
+    """planned(), for a model whose config and dtype are known."""
+    from nbl_gguf.calibration.settings import memory_budget_bytes
 
     log = log or (lambda text: print(text, file=sys.stderr))
     settings.check()
-    dtype = models.resolve_dtype(calibration.dtype, models.resolve_device(calibration.device))
-    config = AutoConfig.from_pretrained(str(source.hf_folder()))
     available = memory_budget_bytes(calibration) if settings.memory_budget is None \
         else int(settings.memory_budget * 2**30)
     settings = resolve_form(config, settings, dtype, available, log)
@@ -691,10 +696,10 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     log = log or (lambda text: print(text, file=sys.stderr))
     if not layers:
         raise NblError("--refine: no layer is replaced, so there is no map to refine")
-    settings = planned(source, calibration, settings, log)
     device = models.resolve_device(calibration.device)
     dtype = models.resolve_dtype(calibration.dtype, device)
     config = AutoConfig.from_pretrained(str(source.hf_folder()))
+    settings = fitted(config, dtype, calibration, settings, log)
     if calibration.threads is not None:
         torch.set_num_threads(calibration.threads)
     torch.manual_seed(settings.seed)

@@ -292,12 +292,12 @@ def convert(args) -> Summary:
     flags.check_calibration(args.calibration)
     if args.eval_chunks < 1:
         raise NblError(f"--eval-chunks must be at least 1, got {args.eval_chunks}")
+    model = source.gguf.path if source.gguf is not None else source.hf_folder()  # what calibrate's --model takes
     refine_plan = None
     if args.refine:
         from nbl_gguf.calibration.refine import planned
 
         check_refine(args, method)
-        model = source.gguf.path if source.gguf is not None else source.hf_folder()
         refine_plan = planned(source, calibration_settings(args, output.parent, model, taps), flags.refine_settings(args))
 
     steps = ["calibrate" if not args.calibration else "load calibration"]
@@ -326,7 +326,6 @@ def convert(args) -> Summary:
         tmp = Path(tmp)
         # 1. calibration
         with stage(steps[0]):
-            model = source.gguf.path if source.gguf is not None else source.hf_folder()
             if args.calibration:
                 artifact = load_artifact(args.calibration)
             else:
