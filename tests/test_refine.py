@@ -6,6 +6,7 @@ LMMSE ones, and a GGUF takes them only for the layers they were refined for."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -275,7 +276,7 @@ def test_a_refinement_that_would_not_fit_is_refused_before_anything_loads(checkp
     monkeypatch.setattr(models, "load_model", no_load)
     source = resolve_model(str(checkpoint / "model"))
     settings = RefineSettings(form="model", memory_budget=1e-6, seqlen=4096)
-    with pytest.raises(NblError, match=r"--refine \(model\) needs about .* GiB: the model's weights .* and the "
+    with pytest.raises(NblError, match=r"--refine \(model\) needs about .* GiB: the model's weights .*, the "
                                        r"activations of a 4096-token window .*; 0.00 GiB are available to it: use a "
                                        r"shorter --refine-seqlen \(or --refine-form streamed"):
         refine_module.refine(source, Settings(model=str(checkpoint / "model")), [1], ATTN_LINEAR, {}, settings)
@@ -284,24 +285,26 @@ def test_a_refinement_that_would_not_fit_is_refused_before_anything_loads(checkp
 def test_the_auto_form_is_the_model_form_where_it_fits_else_the_streamed_one(checkpoint):
     from transformers import AutoConfig
 
-    config, dtype = AutoConfig.from_pretrained(str(checkpoint / "model")), torch.float32
-    whole, what = refine_module.model_bytes(config, "model", 512, dtype)
-    one_layer, _ = refine_module.model_bytes(config, "streamed", 512, dtype)
-    assert RefineSettings().form == "auto" and one_layer < whole
+    # at 4,096 tokens a window: at short ones this tiny model's held-out hidden states, which the streamed form
+    # keeps, outweigh the whole model
+    config, dtype, asked = AutoConfig.from_pretrained(str(checkpoint / "model")), torch.float32, RefineSettings(seqlen=4096)
+    whole, what = refine_module.model_bytes(config, "model", 4096, dtype)
+    one_layer, _ = refine_module.model_bytes(config, "streamed", 4096, dtype)
+    assert asked.form == "auto" and one_layer < whole
     said = []
-    model_form = refine_module.resolve_form(config, RefineSettings(), dtype, whole, said.append)
+    model_form = refine_module.resolve_form(config, asked, dtype, whole, said.append)
     assert (model_form.form, model_form.balance) == ("model", refine_module.DEFAULT_BALANCE) and not said
-    chosen = refine_module.resolve_form(config, RefineSettings(), dtype, whole - 1, said.append)
+    chosen = refine_module.resolve_form(config, asked, dtype, whole - 1, said.append)
     assert chosen.form == "streamed" and chosen.learning_rate == refine_module.DEFAULT_LR["streamed"]
     assert chosen.balance is False  # the streamed form has no loss over kinds to weigh
-    assert what.startswith("the model's weights ") and "activations of a 512-token window" in what
+    assert what.startswith("the model's weights ") and "activations of a 4096-token window" in what
     assert said == [f"refine: the model form needs about {whole / 2**30:.2f} GiB ({what}), {(whole - 1) / 2**30:.2f} "
                     f"GiB are available to it: the streamed form, one layer in memory"]
     refine_module.check_memory(config, chosen, dtype, whole - 1)  # fits
     # a form asked for by name is kept; --refine-balance has the model form only, refused where it does not fit
     assert refine_module.resolve_form(config, RefineSettings(form="model"), dtype, 0).form == "model"
-    assert refine_module.resolve_form(config, RefineSettings(balance=False), dtype, whole).balance is False
-    balanced = refine_module.resolve_form(config, RefineSettings(balance=True), dtype, whole - 1)
+    assert refine_module.resolve_form(config, replace(asked, balance=False), dtype, whole).balance is False
+    balanced = refine_module.resolve_form(config, replace(asked, balance=True), dtype, whole - 1)
     assert balanced.form == "model"
     with pytest.raises(NblError, match=r"--refine \(model\) needs about"):
         refine_module.check_memory(config, balanced, dtype, whole - 1)
@@ -323,16 +326,28 @@ def test_a_refinement_takes_the_streamed_form_when_the_model_form_would_not_fit(
     artifact = load_artifact(out)
     config = AutoConfig.from_pretrained(str(checkpoint / "model"))
     # bf16 weights on a CPU with bf16 matmuls, else float32: a budget between the two forms' needs in either
-    needs = {form: [refine_module.model_bytes(config, form, 16, dtype)[0] for dtype in (torch.bfloat16, torch.float32)]
+    # planned for windows of 4,096 tokens (the pieces are the calibration's 32): where the model form outweighs
+    # the streamed one's held-out hidden states
+    needs = {form: [refine_module.model_bytes(config, form, 4096, dtype)[0] for dtype in (torch.bfloat16, torch.float32)]
              for form in refine_module.FORMS}
     assert max(needs["streamed"]) < min(needs["model"])
     budget = (max(needs["streamed"]) + min(needs["model"])) / 2 / 2**30
     said = []
     refined = refine_module.refine_artifact(artifact, resolve_model(common["model"]), Settings(**common),
-                                            artifact.select(), RefineSettings(tokens=64, seqlen=16, memory_budget=budget,
+                                            artifact.select(), RefineSettings(tokens=64, seqlen=4096, memory_budget=budget,
                                                                               no_progress=True), said.append)
     assert any(line.endswith("the streamed form, one layer in memory") for line in said)
     assert refined.report["refine"]["form"] == "streamed"
+    # what the estimate counts for the maps is what the artifact holds (float32), its past-token lags included
+    layer_type, maps = refine_module.artifact_maps(artifact, artifact.select())
+    held = sum(np.asarray(t, dtype=np.float32).nbytes for m in maps.values() for t in m.tensors().values())
+    assert refine_module.map_bytes(config, len(maps), 2) == held > 0
+    assert refine_module.map_bytes(config, len(maps)) == sum(np.asarray(artifact.linear(k)[0]).nbytes +
+                                                             np.asarray(artifact.linear(k)[1]).nbytes for k in maps)
+    streamed = {n: refine_module.model_bytes(config, "streamed", 16, torch.float32, n * held, 64)
+                for n in (0, 1)}
+    assert streamed[1][0] - streamed[0][0] == refine_module.MAP_COPIES["streamed"] * held
+    assert "copies of the maps" in streamed[1][1] and "hidden states" in streamed[1][1]
     assert refined.report["refine"]["settings"]["form"] == "streamed"
     assert refined.report["refine"]["settings"]["balance"] is False
 
@@ -347,7 +362,7 @@ def test_refine_options_are_checked_before_calibrating(checkpoint, capsys):
     with pytest.raises(NblError, match=r"--refine \(model\) needs about .* GiB are available to it"):
         run_calibrate(*common, "--refine", "--refine-form", "model", "--memory-budget", 1e-6)
     # the default form takes the streamed one there and says so; nor does that fit
-    with pytest.raises(NblError, match=r"--refine \(streamed\) needs about .* GiB: one layer's weights"):
+    with pytest.raises(NblError, match=r"--refine \(streamed\) needs about .* GiB: one layer and the head's weights"):
         run_calibrate(*common, "--refine", "--memory-budget", 1e-6)
     assert "the streamed form, one layer in memory" in capsys.readouterr().err
     assert not (checkpoint / "never").exists()

@@ -212,35 +212,66 @@ def _load_parameters(params: list[nn.Parameter], values: list[torch.Tensor]) -> 
 
 # --- what fits in memory ------------------------------------------------------------------------------
 
-def model_bytes(config, form: str, seqlen: int, dtype) -> tuple[int, str]:
-    """(peak bytes, what they are) of a refinement: the model's weights (all, or one layer's for the
-    streamed form) and the activations autograd keeps for one window of ``seqlen`` tokens."""
+# the maps a form holds: the model form its modules', Adam's two moments, the best evaluation's copy and the
+# LMMSE fit; the streamed form the LMMSE fit and the refined maps (one layer's training state is small beside them)
+MAP_COPIES = {"model": 5, "streamed": 2}
+
+
+def map_bytes(config, count: int, taps: int = 1, rank: int | None = None) -> int:
+    """Bytes of ``count`` layers' maps in float32: W [d, d] and b, and with ``taps`` > 1 a past-token map's
+    lags of ``rank`` (default: calibration.taps.default_rank)."""
+    from nbl_gguf.calibration.taps import default_rank
+
+    d = int(models.text_config(config).hidden_size)
+    per_layer = d * d + d
+    if taps > 1:
+        lagged = (taps - 1) * d
+        r = min(rank or default_rank(d), lagged)
+        per_layer += r * lagged + d * r
+    return count * per_layer * 4
+
+
+def model_bytes(config, form: str, seqlen: int, dtype, maps: int = 0, tokens: int = 0) -> tuple[int, str]:
+    """(peak bytes, what they are) of a refinement: the model's weights (all, or one layer's and the head's
+    for the streamed form), the activations autograd keeps for one window of ``seqlen`` tokens, the copies
+    of the maps (``maps``: the LMMSE maps' bytes, map_bytes) that the form holds, and for the streamed form
+    the hidden states of ``tokens`` training tokens (two tracks) and of the held-out windows (three)."""
+    from nbl_gguf.calibration.settings import DEFAULT_SELECTION_TOKENS
+    from nbl_gguf.calibration.stream import LOSS_POSITIONS
+
     text = models.text_config(config)
     d, n_layer = int(text.hidden_size), int(text.num_hidden_layers)
     ffn = int(getattr(text, "intermediate_size", 4 * d))
     vocab = int(text.vocab_size)
     width = torch.finfo(dtype).bits // 8
     per_layer_weights = (4 * d * d + 3 * d * ffn) * width
-    weights = (n_layer * per_layer_weights + vocab * d * width) if form == "model" else 2 * per_layer_weights
     # autograd keeps, per token and layer, about a dozen d-wide tensors and four ffn-wide ones (norms,
     # projections, SiLU and its product), in float32 where our maps run
     per_token_layer = (12 * d + 4 * ffn) * 4
     if form == "model":
+        weights = n_layer * per_layer_weights + vocab * d * width
         activations = seqlen * (n_layer * per_token_layer + 3 * vocab * 4)  # logits, log-softmax, their grad
     else:
+        # two layers (one leaving, one coming), and the head (or the embedding) with the logits of a
+        # held-out window's LOSS_POSITIONS rows in the model's type and in float32 for the loss
+        weights = 2 * per_layer_weights + vocab * d * width + LOSS_POSITIONS * vocab * (width + 8)
         activations = seqlen * per_token_layer * 2
-    what = (f"{'the model' if form == 'model' else 'one layer'}'s weights {weights / 2**30:.2f} GiB and the "
-            f"activations of a {seqlen}-token window {activations / 2**30:.2f} GiB")
-    return weights + activations, what
+    tracks = 0 if form == "model" else (2 * tokens + 3 * DEFAULT_SELECTION_TOKENS) * d * width
+    held = MAP_COPIES[form] * maps
+    what = (f"{'the model' if form == 'model' else 'one layer and the head'}'s weights {weights / 2**30:.2f} GiB, "
+            f"the activations of a {seqlen}-token window {activations / 2**30:.2f} GiB"
+            + (f", the hidden states {tracks / 2**30:.2f} GiB" if tracks else "")
+            + (f", {MAP_COPIES[form]} copies of the maps {held / 2**30:.2f} GiB" if maps else ""))
+    return weights + activations + tracks + held, what
 
 
-def resolve_form(config, settings: RefineSettings, dtype, available: int, log=None) -> RefineSettings:
+def resolve_form(config, settings: RefineSettings, dtype, available: int, log=None, maps: int = 0) -> RefineSettings:
     """``settings`` with --refine-form auto made a form: the model form where it fits ``available`` bytes (and
     always with --refine-balance asked for, which only it has), else the streamed form, said in ``log``; and
     --refine-balance left unsaid made the form's default."""
     form = settings.form
     if form == AUTO_FORM:
-        needed, what = model_bytes(config, "model", settings.seqlen, dtype)
+        needed, what = model_bytes(config, "model", settings.seqlen, dtype, maps)
         form = "model" if settings.balance or needed <= available else "streamed"
         if form == "streamed" and log:
             log(f"refine: the model form needs about {needed / 2**30:.2f} GiB ({what}), {available / 2**30:.2f} GiB "
@@ -249,11 +280,12 @@ def resolve_form(config, settings: RefineSettings, dtype, available: int, log=No
     return replace(settings, form=form, balance=balance)
 
 
-def check_memory(config, settings: RefineSettings, dtype, available: int) -> None:
-    """Refuse a refinement that would not fit, before anything is loaded."""
-    needed, what = model_bytes(config, settings.form, settings.seqlen, dtype)
+def check_memory(config, settings: RefineSettings, dtype, available: int, maps: int = 0) -> None:
+    """Refuse a refinement that would not fit, before anything is loaded (``maps``: model_bytes')."""
+    needed, what = model_bytes(config, settings.form, settings.seqlen, dtype, maps, settings.tokens)
     if needed > available:
-        other = " (or --refine-form streamed, one layer in memory)" if settings.form == "model" else ""
+        other = " (or --refine-form streamed, one layer in memory)" if settings.form == "model" else \
+            ", fewer --refine-tokens or a smaller --m"
         raise NblError(f"--refine ({settings.form}) needs about {needed / 2**30:.2f} GiB: {what}; "
                        f"{available / 2**30:.2f} GiB are available to it: use a shorter --refine-seqlen{other}")
 
@@ -423,13 +455,9 @@ class _Checkpoints:
         return torch.load(self.state.path(name), weights_only=False)
 
     def save(self, name: str, value) -> None:
-        if self.state is None:
-            return
-        import io
-
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        self.state.save_bytes(name, buffer.getvalue())
+        if self.state is not None:
+            # straight to the file: through a buffer, an 8B model's checkpoint was in memory twice more
+            self.state.write_file(name, lambda handle: torch.save(value, handle))
 
 
 def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: torch.Tensor, heldout: torch.Tensor,
@@ -559,7 +587,8 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
     saved = files.load("streamed.pt")
     if saved is not None:
         first, hidden, teacher = saved["next_layer"], saved["hidden"], saved["teacher"]
-        refined_maps, losses = saved["maps"], saved["losses"]
+        refined_maps = {k: files.load(_streamed_map(k)) for k in layers if k < first}
+        losses = saved["losses"]
         log(f"refine: resuming at layer {first} (state {state.folder})")
     else:
         stream.prepare_embedding(chosen)
@@ -599,6 +628,8 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
                             optimizer.step()
                             history.append(float(loss.detach()))
                     refined_maps.update(read_maps(module, taps))
+                    # each map saved once, in its own file: the whole set at every layer was gigabytes at 8B
+                    files.save(_streamed_map(k), refined_maps[k])
                     losses[k] = {"first_epoch": float(np.mean(history[:hidden.shape[0]])),
                                  "last_epoch": float(np.mean(history[-hidden.shape[0]:]))}
                     hidden = run_all(k)
@@ -608,8 +639,7 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
                 hidden = run_all(k)
         finally:
             stream.release_layer(k)
-        files.save("streamed.pt", {"next_layer": k + 1, "hidden": hidden, "maps": refined_maps, "losses": losses,
-                                   "teacher": teacher})
+        files.save("streamed.pt", {"next_layer": k + 1, "hidden": hidden, "losses": losses, "teacher": teacher})
         bar.update()
     bar.close()
     # the held-out loss of the unmodified model, of the LMMSE maps and of the refined ones
@@ -634,6 +664,11 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
         "settings": settings.recorded(), "seconds": round(time.perf_counter() - started, 1),
     }
     return Refined(sorted(layers), taps, refined_maps, report)
+
+
+def _streamed_map(layer: int) -> str:
+    """The streamed form's resume file of ``layer``'s refined map."""
+    return f"streamed-map-{layer}.pt"
 
 
 def run_variants_nll(stream, ids: torch.Tensor, variants: list[dict[int, int]], linear) -> list[np.ndarray]:
@@ -670,16 +705,22 @@ def planned(source, calibration, settings: RefineSettings, log=None) -> RefineSe
     return fitted(AutoConfig.from_pretrained(str(source.hf_folder())), dtype, calibration, settings, log)
 
 
-def fitted(config, dtype, calibration, settings: RefineSettings, log=None) -> RefineSettings:
-    """planned(), for a model whose config and dtype are known."""
-    from nbl_gguf.calibration.settings import memory_budget_bytes
+def fitted(config, dtype, calibration, settings: RefineSettings, log=None, count: int | None = None) -> RefineSettings:
+    """planned(), for a model whose config and dtype are known; ``count``: the layers to refine (None: as many
+    as ``calibration`` may replace, --m auto all but one)."""
+    from nbl_gguf.calibration.settings import default_m, memory_budget_bytes
 
     log = log or (lambda text: print(text, file=sys.stderr))
     settings.check()
     available = memory_budget_bytes(calibration) if settings.memory_budget is None \
         else int(settings.memory_budget * 2**30)
-    settings = resolve_form(config, settings, dtype, available, log)
-    check_memory(config, settings, dtype, available)
+    if count is None:
+        n_layer = int(models.text_config(config).num_hidden_layers)
+        m = calibration.m
+        count = n_layer - 1 if m == "auto" else default_m(n_layer) if m is None else int(m)
+    maps = map_bytes(config, count, calibration.taps, calibration.taps_rank)
+    settings = resolve_form(config, settings, dtype, available, log, maps)
+    check_memory(config, settings, dtype, available, maps)
     return settings
 
 
@@ -699,7 +740,7 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     device = models.resolve_device(calibration.device)
     dtype = models.resolve_dtype(calibration.dtype, device)
     config = AutoConfig.from_pretrained(str(source.hf_folder()))
-    settings = fitted(config, dtype, calibration, settings, log)
+    settings = fitted(config, dtype, calibration, settings, log, len(layers))
     if calibration.threads is not None:
         torch.set_num_threads(calibration.threads)
     torch.manual_seed(settings.seed)

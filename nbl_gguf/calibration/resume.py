@@ -145,11 +145,16 @@ class CalibrationState:
         self.layers_done = layers_done
 
     def _atomic_write(self, name: str, data: bytes) -> None:
+        self.write_file(name, lambda handle: handle.write(data))
+
+    def write_file(self, name: str, write) -> None:
+        """``name`` in the state folder, written by ``write(handle)`` (a binary file) and replaced whole: a
+        reader sees the old or the new file, and nothing of it is held in memory here."""
         path = self.folder / name
         tmp = path.with_name(f".{name}.tmp")
         try:
             with open(tmp, "wb") as handle:
-                handle.write(data)
+                write(handle)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, path)
@@ -183,10 +188,6 @@ class CalibrationState:
 
     def layer_entry(self, layer: int) -> dict:
         return json.loads((self.folder / f"layer-{layer}.json").read_text(encoding="utf-8"))
-
-    def save_bytes(self, name: str, data: bytes) -> None:
-        """``name`` in the state folder, replaced whole (a reader sees the old or the new file)."""
-        self._atomic_write(name, data)
 
     def save_json(self, name: str, value) -> None:
         self._atomic_write(name, json.dumps(value).encode())

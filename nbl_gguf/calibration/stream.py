@@ -279,13 +279,14 @@ class LayerStream:
         ids = ids.to(self.device)
         seqlen = ids.shape[1]
         values = torch.empty(ids.shape[0], seqlen - 1, dtype=torch.float64)
-        for start in range(0, seqlen - 1, LOSS_POSITIONS):
-            stop = min(seqlen - 1, start + LOSS_POSITIONS)
-            # as rows of a 2-D matrix: a slice along the positions keeps the window's batch stride,
-            # and with it torch's bf16 CPU matmul left its fast path (10x slower at the 8B shape)
-            nll = self._head_nll(normed[:, start:stop].reshape(-1, normed.shape[-1]),
-                                 ids[:, start + 1:stop + 1].reshape(-1))
-            values[:, start:stop] = nll.reshape(ids.shape[0], stop - start).double().cpu()
+        # one window's LOSS_POSITIONS rows at a time: the logits of every window at once were 2.6 GB at a
+        # 128K vocabulary for 8 windows; a window's rows are contiguous, which keeps torch's bf16 CPU matmul
+        # on its fast path (a slice across windows keeps their batch stride: 10x slower at the 8B shape)
+        for window in range(ids.shape[0]):
+            for start in range(0, seqlen - 1, LOSS_POSITIONS):
+                stop = min(seqlen - 1, start + LOSS_POSITIONS)
+                nll = self._head_nll(normed[window, start:stop], ids[window, start + 1:stop + 1])
+                values[window, start:stop] = nll.double().cpu()
         return values
 
     def scored_nll(self, hidden: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
