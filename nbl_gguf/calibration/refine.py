@@ -225,9 +225,8 @@ def map_bytes(config, count: int, taps: int = 1, rank: int | None = None) -> int
     d = int(models.text_config(config).hidden_size)
     per_layer = d * d + d
     if taps > 1:
-        lagged = (taps - 1) * d
-        r = min(rank or default_rank(d), lagged)
-        per_layer += r * lagged + d * r
+        r = rank or default_rank(d)  # at most d (taps.solve_lowrank)
+        per_layer += r * (taps - 1) * d + d * r
     return count * per_layer * 4
 
 
@@ -251,12 +250,13 @@ def model_bytes(config, form: str, seqlen: int, dtype, maps: int = 0, tokens: in
     if form == "model":
         weights = n_layer * per_layer_weights + vocab * d * width
         activations = seqlen * (n_layer * per_token_layer + 3 * vocab * 4)  # logits, log-softmax, their grad
+        tracks = 0
     else:
         # two layers (one leaving, one coming), and the head (or the embedding) with the logits of a
         # held-out window's LOSS_POSITIONS rows in the model's type and in float32 for the loss
         weights = 2 * per_layer_weights + vocab * d * width + LOSS_POSITIONS * vocab * (width + 8)
         activations = seqlen * per_token_layer * 2
-    tracks = 0 if form == "model" else (2 * tokens + 3 * DEFAULT_SELECTION_TOKENS) * d * width
+        tracks = (2 * tokens + 3 * DEFAULT_SELECTION_TOKENS) * d * width
     held = MAP_COPIES[form] * maps
     what = (f"{'the model' if form == 'model' else 'one layer and the head'}'s weights {weights / 2**30:.2f} GiB, "
             f"the activations of a {seqlen}-token window {activations / 2**30:.2f} GiB"
@@ -705,20 +705,20 @@ def planned(source, calibration, settings: RefineSettings, log=None) -> RefineSe
     return fitted(AutoConfig.from_pretrained(str(source.hf_folder())), dtype, calibration, settings, log)
 
 
-def fitted(config, dtype, calibration, settings: RefineSettings, log=None, count: int | None = None) -> RefineSettings:
-    """planned(), for a model whose config and dtype are known; ``count``: the layers to refine (None: as many
-    as ``calibration`` may replace, --m auto all but one)."""
+def fitted(config, dtype, calibration, settings: RefineSettings, log=None, maps: int | None = None) -> RefineSettings:
+    """planned(), for a model whose config and dtype are known; ``maps``: the bytes of the maps to refine (None:
+    map_bytes of as many layers as ``calibration`` may replace, --m auto all but one)."""
     from nbl_gguf.calibration.settings import default_m, memory_budget_bytes
 
     log = log or (lambda text: print(text, file=sys.stderr))
     settings.check()
     available = memory_budget_bytes(calibration) if settings.memory_budget is None \
         else int(settings.memory_budget * 2**30)
-    if count is None:
+    if maps is None:
         n_layer = int(models.text_config(config).num_hidden_layers)
         m = calibration.m
         count = n_layer - 1 if m == "auto" else default_m(n_layer) if m is None else int(m)
-    maps = map_bytes(config, count, calibration.taps, calibration.taps_rank)
+        maps = map_bytes(config, count, calibration.taps, calibration.taps_rank)
     settings = resolve_form(config, settings, dtype, available, log, maps)
     check_memory(config, settings, dtype, available, maps)
     return settings
@@ -740,7 +740,7 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     device = models.resolve_device(calibration.device)
     dtype = models.resolve_dtype(calibration.dtype, device)
     config = AutoConfig.from_pretrained(str(source.hf_folder()))
-    settings = fitted(config, dtype, calibration, settings, log, len(layers))
+    settings = fitted(config, dtype, calibration, settings, log, sum(4 * a.size for a in _map_arrays(maps)))
     if calibration.threads is not None:
         torch.set_num_threads(calibration.threads)
     torch.manual_seed(settings.seed)
@@ -784,12 +784,17 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     return refined
 
 
+def _map_arrays(maps: dict):
+    """The arrays of maps {layer: (W, b) or TapsMap}."""
+    for value in maps.values():
+        yield from value.tensors().values() if hasattr(value, "tensors") else value
+
+
 def _map_digest(value) -> str:
     import hashlib
 
     h = hashlib.sha256()
-    arrays = value.tensors().values() if hasattr(value, "tensors") else value
-    for array in arrays:
+    for array in _map_arrays({0: value}):
         h.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
     return h.hexdigest()
 
