@@ -444,6 +444,32 @@ def test_convert_refine_writes_the_refined_maps_and_says_so(tmp_path, monkeypatc
     assert moved > 1e-4  # the refinement moved the maps: the file could tell them apart
     record = json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))
     assert record["refine"]["layers"] == layers
+    # per-token layers from the same past-token calibration: the per-token maps are refined (a refinement of
+    # the past-token maps would leave the file's maps at LMMSE while the record said refined)
+    per_token = tmp_path / "per-token.gguf"
+    assert main(["convert", "--model", str(model), "--calibration", str(kept), "--criterion", "cosine", "--m", "2",
+                 "--taps", "1", "--quant", "f32", "--no-eval", "--no-progress", "--refine", "--refine-tokens", "128",
+                 "--refine-seqlen", "16", "--refine-eval-every", "2", "--refine-lr", "0.1", "-o", str(per_token)]) == 0
+    artifact = load_artifact(kept)
+    layers = artifact.report["refine"]["layers"]
+    assert artifact.report["refine"]["taps"] == 1 and artifact.refined_for(layers, 1)
+    assert not artifact.refined_for(layers, 2)
+    reader = gguf.GGUFReader(per_token)
+    assert [i for i, t in enumerate(nbl_format.read_layer_types(reader)) if t != nbl_format.ATTENTION] == layers
+    assert set(nbl_format.read_layer_types(reader)) == {nbl_format.ATTENTION, nbl_format.LINEAR}
+    tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
+    moved = 0.0
+    for layer in layers:
+        (weight, bias), (lmmse_weight, _) = artifact.linear(layer, refined=True), artifact.linear(layer)
+        np.testing.assert_allclose(tensors[nbl_format.NBL_WEIGHT.format(layer=layer)].reshape(weight.shape), weight,
+                                   rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(tensors[nbl_format.NBL_BIAS.format(layer=layer)], bias, rtol=1e-6, atol=1e-7)
+        moved = max(moved, float(np.abs(weight - lmmse_weight).max()))
+    assert moved > 1e-4
+    assert json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))["refine"]["taps"] == 1
+    # past-token maps of another length than the calibration's: nothing to refine, said by name
+    with pytest.raises(NblError, match="--taps 3: the calibration in .* has maps of 2 tokens to refine"):
+        refine_module.artifact_maps(artifact, layers, 3)
 
 
 def test_refine_text_mix_trains_on_each_kind_alike_and_never_on_the_heldout_windows():

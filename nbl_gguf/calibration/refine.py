@@ -804,23 +804,31 @@ def check_refinable(method: str, what: str = "--method") -> None:
         raise NblError(f"--refine tunes the maps of attn-nbl layers; {what} is {method}, which has none")
 
 
-def artifact_maps(artifact, layers: list[int]) -> tuple[int, dict]:
-    """(apply.py's layer type, {layer: LMMSE map}) of ``layers`` in a calibration artifact: its taps maps,
-    or its attention maps (attn-nbl); attn-drop and block-nbl have no map to refine."""
+def artifact_maps(artifact, layers: list[int], taps: int | None = None) -> tuple[int, dict]:
+    """(apply.py's layer type, {layer: LMMSE map}) of ``layers`` in a calibration artifact, of the kind the
+    file will carry: past-token maps of ``taps`` tokens, or per-token attention maps with ``taps`` 1 (None:
+    the artifact's own kind). A past-token calibration holds both kinds; attn-drop and block-nbl have no map
+    to refine."""
     from nbl_gguf.calibration.apply import ATTN_LINEAR, ATTN_TAPS
 
     check_refinable(artifact.report["selection"]["method"], f"the calibration in {artifact.path}")
-    if artifact.taps > 1:
+    taps = artifact.taps if taps is None else int(taps)
+    if taps > 1:
+        if artifact.taps != taps:
+            raise NblError(f"--taps {taps}: the calibration in {artifact.path} has "
+                           + ("no past-token maps" if artifact.taps < 2 else f"maps of {artifact.taps} tokens")
+                           + f" to refine; calibrate with --taps {taps}")
         return ATTN_TAPS, {layer: artifact.taps_map(layer) for layer in layers}
     return ATTN_LINEAR, {layer: artifact.linear(layer, "attn") for layer in layers}
 
 
-def refine_artifact(artifact, source, calibration, layers: list[int], settings: RefineSettings, log=None):
+def refine_artifact(artifact, source, calibration, layers: list[int], settings: RefineSettings, log=None,
+                    taps: int | None = None):
     """Refine the maps of ``layers`` of ``artifact`` (a loaded CalibrationArtifact) and add them to it; the
-    artifact, reloaded."""
+    artifact, reloaded. ``taps``: the kind of map the file carries (artifact_maps)."""
     from nbl_gguf.calibration.artifact import load_artifact, save_refined
 
-    layer_type, maps = artifact_maps(artifact, layers)
+    layer_type, maps = artifact_maps(artifact, layers, taps)
     refined = refine(source, calibration, layers, layer_type, maps, settings, artifact.report.get("data"), log)
     save_refined(artifact, refined.report, refined.tensors())
     return load_artifact(artifact.path)

@@ -349,7 +349,7 @@ def convert(args) -> Summary:
             with stage("refine"):
                 if selected and not artifact.refined_for(selected, taps):
                     artifact = refine_artifact(artifact, source, calibration_settings(args, artifact.path, model, taps),
-                                               selected, refine_plan)
+                                               selected, refine_plan, taps=taps)
         layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
         if not args.calibration:
             # the calibration's own stages, measured inside it (layers, selection, ...)
