@@ -468,7 +468,7 @@ def test_convert_refine_writes_the_refined_maps_and_says_so(tmp_path, monkeypatc
     assert moved > 1e-4
     assert json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))["refine"]["taps"] == 1
     # past-token maps of another length than the calibration's: nothing to refine, said by name
-    with pytest.raises(NblError, match="--taps 3: the calibration in .* has maps of 2 tokens to refine"):
+    with pytest.raises(NblError, match="--taps 3: the calibration in .* has maps of 2 tokens; calibrate with --taps 3"):
         refine_module.artifact_maps(artifact, layers, 3)
 
 

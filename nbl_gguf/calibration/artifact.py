@@ -164,6 +164,14 @@ class CalibrationArtifact:
         """Tokens its past-token maps read (calibrate --taps); 1 when it has per-token maps only."""
         return int(self.report["selection"].get("taps", 1))
 
+    def require_taps(self, taps: int) -> None:
+        """Refuse a file of ``taps``-token maps (convert --taps) that this calibration has no maps for, by
+        name: it holds per-token maps, and past-token maps of its own length only."""
+        if self.taps != taps:
+            held = "no past-token maps" if self.taps < 2 else f"maps of {self.taps} tokens"
+            raise NblError(f"--taps {taps}: the calibration in {self.path} has {held}; calibrate with --taps {taps} "
+                           f"(or convert with --taps {self.taps})")
+
     def taps_map(self, layer: int, refined: bool = False):
         """The calibration.taps.TapsMap of ``layer`` (float32 tensors), checked like the linear maps
         (``refined``: its refined map; check refined_for first)."""

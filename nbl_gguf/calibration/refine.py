@@ -814,10 +814,7 @@ def artifact_maps(artifact, layers: list[int], taps: int | None = None) -> tuple
     check_refinable(artifact.report["selection"]["method"], f"the calibration in {artifact.path}")
     taps = artifact.taps if taps is None else int(taps)
     if taps > 1:
-        if artifact.taps != taps:
-            raise NblError(f"--taps {taps}: the calibration in {artifact.path} has "
-                           + ("no past-token maps" if artifact.taps < 2 else f"maps of {artifact.taps} tokens")
-                           + f" to refine; calibrate with --taps {taps}")
+        artifact.require_taps(taps)
         return ATTN_TAPS, {layer: artifact.taps_map(layer) for layer in layers}
     return ATTN_LINEAR, {layer: artifact.linear(layer, "attn") for layer in layers}
 

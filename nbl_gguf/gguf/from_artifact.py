@@ -107,10 +107,7 @@ def gguf_architecture(source) -> str | None:
 def taps_maps(artifact, layers: list[int], taps: int, refined: bool = False) -> dict:
     """The past-token maps of ``layers``, from an artifact calibrated with the same --taps (``refined``:
     its refined maps of these layers)."""
-    if artifact.taps != taps:
-        raise NblError(f"--taps {taps}: the calibration in {artifact.path} has "
-                       + ("no past-token maps" if artifact.taps < 2 else f"maps of {artifact.taps} tokens")
-                       + f"; calibrate with --taps {taps} (or convert with --taps {artifact.taps})")
+    artifact.require_taps(taps)
     return {layer: artifact.taps_map(layer, refined) for layer in layers}
 
 
