@@ -731,7 +731,7 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     names; ``artifact_data``: the artifact's record of its windows, to say when they differ."""
     from nbl_gguf.calibration import dataset
     from nbl_gguf.calibration.resume import CalibrationState, digest, model_identity, tokens_digest
-    from nbl_gguf.calibration.settings import DEFAULT_NSAMPLES
+    from nbl_gguf.calibration.settings import DEFAULT_NSAMPLES, release_freed_memory
     from transformers import AutoConfig
 
     log = log or (lambda text: print(text, file=sys.stderr))
@@ -740,6 +740,7 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
     device = models.resolve_device(calibration.device)
     dtype = models.resolve_dtype(calibration.dtype, device)
     config = AutoConfig.from_pretrained(str(source.hf_folder()))
+    release_freed_memory()  # what the calibration before it freed: counted as available, not kept beside the model
     settings = fitted(config, dtype, calibration, settings, log, sum(4 * a.size for a in _map_arrays(maps)))
     if calibration.threads is not None:
         torch.set_num_threads(calibration.threads)

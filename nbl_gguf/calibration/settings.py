@@ -4,6 +4,8 @@ these settings and parses no arguments."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -82,6 +84,18 @@ def check_taps(taps: int, taps_rank: int | None, method: str) -> None:
     if taps > 1 and method != "attn-nbl":
         raise NblError(f"--taps {taps} fits past-token maps of the attention: it goes with --method attn-nbl, "
                        f"not {method}")
+
+
+def release_freed_memory() -> None:
+    """Hand the memory that earlier stages freed back to the system before the next stage is sized and
+    loaded. glibc keeps freed heap pages resident (after a finished SmolLM2 calibration, 0.96 of its
+    1.06 GiB peak with no tensor alive; 0.41 GiB after this): MemAvailable does not count them, and
+    a large load that follows, the model form's whole model, does not reuse them."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to hand back this way
 
 
 def memory_budget_bytes(settings: Settings) -> int:
