@@ -216,29 +216,23 @@ def tiny_args(root):
             "--device", "cpu"]
 
 
-def _resident_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from Linux's /proc")
 def test_freed_heap_memory_is_handed_back_before_the_next_stage():
     """256 MiB of small blocks freed with one block after them still alive (as a finished calibration
     leaves its heap): release_freed_memory brings the resident set back to within 64 MiB of where it
     was before them, whatever the allocator kept."""
     from nbl_gguf.calibration.settings import release_freed_memory
+    from nbl_gguf.usage import current_rss_bytes
 
     release_freed_memory()
-    before = _resident_bytes()
+    before = current_rss_bytes()
     blocks = [np.ones(16_000) for _ in range(2_048)]  # 128 kB each: below glibc's mmap threshold, in its heap
-    allocated = _resident_bytes()
+    allocated = current_rss_bytes()
     assert allocated - before > 200 * 2**20
     del blocks[:-1]  # the last one stays, as later allocations do, so the heap's top cannot shrink
-    kept = _resident_bytes()
+    kept = current_rss_bytes()
     release_freed_memory()
-    released = _resident_bytes()
+    released = current_rss_bytes()
     assert released - before < 64 * 2**20, (before, allocated, kept, released)
     del blocks
 

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 
 def resident() -> str:
-    with open("/proc/self/status", encoding="ascii") as status:
-        kb = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS", "VmHWM"))}
-    return f"RSS {kb['VmRSS'] / 2**20:.2f} GiB (peak {kb['VmHWM'] / 2**20:.2f})"
+    from nbl_gguf.usage import current_rss_bytes, peak_rss_bytes
+
+    return f"RSS {current_rss_bytes() / 2**30:.2f} GiB (peak {peak_rss_bytes() / 2**30:.2f})"
 
 
 def live_tensors() -> str:
