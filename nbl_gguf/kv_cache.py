@@ -25,6 +25,9 @@ from nbl_gguf.llamacpp.cache_types import CACHE_TYPES, split_cache_type
 from nbl_gguf.models import ADAPTERS
 
 CELL_PADDING = 256  # llama.cpp pads the context, and the sliding-window cache, to a multiple of 256
+# llama.cpp's micro-batch (-ub): a sliding-window cache holds one beside the window, so the tokens of a micro-batch
+# find every cell they attend to; a smaller one shrinks that cache and slows prompts (docs/convert.md)
+DEFAULT_UBATCH = 512
 GLOBAL, SLIDING = "global", "sliding"
 
 
@@ -75,7 +78,7 @@ class Context:
 
     n_ctx: int
     n_batch: int = 2048
-    n_ubatch: int = 512
+    n_ubatch: int = DEFAULT_UBATCH
     n_seq_max: int = 1
     kv_unified: bool = False
     swa_full: bool = False  # --swa-full: sliding-window layers cache the whole context too

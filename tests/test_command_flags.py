@@ -157,6 +157,18 @@ def test_threads_must_be_positive(command, capsys):
     assert "argument -t/--threads: must be at least 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["calibrate", "convert", "inspect"])
+def test_the_micro_batch_is_llama_cpps_flag_and_must_be_positive(command, capsys):
+    positional = ["x.gguf"] if command == "inspect" else []
+    assert parsers()[command].parse_args(positional).ubatch_size == 512  # llama.cpp's own default
+    assert parsers()[command].parse_args([*positional, "-ub", "128"]).ubatch_size == 128
+    assert parsers()[command].parse_args([*positional, "--ubatch-size", "64"]).ubatch_size == 64
+    with pytest.raises(SystemExit) as exit_info:
+        parsers()[command].parse_args([*positional, "-ub", "0"])
+    assert exit_info.value.code == 2
+    assert "argument -ub/--ubatch-size: must be at least 1, got 0" in capsys.readouterr().err
+
+
 # --- flags that mean nothing for the input at hand ----------------------------------------------
 
 MEANINGLESS = {

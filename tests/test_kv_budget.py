@@ -85,21 +85,35 @@ def test_window_candidates_are_the_shortest_fitting_prefix_of_their_order():
         assert "window layers (W = 512)" in candidate.label
 
 
-def test_a_smaller_window_is_a_candidate_where_it_needs_fewer_window_layers():
+# window layers each count needs at 10% of Qwen2.5-0.5B's F16 cache at 32,768 tokens, per micro-batch (-ub)
+# and (cache type, W); None: no candidate, a larger window needs as few
+BUDGET_COUNTS = {
+    512: {("f16", 512): 23, ("f16", 128): None, ("q8_0", 512): 21, ("q8_0", 128): 20,
+          ("q8_0/q4_0", 512): 19, ("q8_0/q4_0", 128): None},
+    # a window layer's cache holds one micro-batch beside its window: at 128, pad256(516 + 128) = 768 cells at
+    # W = 512 (1,280 at -ub 512), so q8_0 keeps one more global layer at W = 512, F16 one more at W = 128
+    128: {("f16", 512): 23, ("f16", 128): 22, ("q8_0", 512): 20, ("q8_0", 128): None,
+          ("q8_0/q4_0", 512): 19, ("q8_0/q4_0", 128): None},
+}
+
+
+@pytest.mark.parametrize("n_ubatch", sorted(BUDGET_COUNTS))
+def test_a_smaller_window_is_a_candidate_where_it_needs_fewer_window_layers(n_ubatch):
     """Qwen2.5-0.5B's cache (24 layers, 2 KV heads of 64) at 32,768 tokens and 10% of its F16 bytes: with
     q8_0, W = 512 needs 21 window layers and W = 128 20, one more global layer; with F16 both need 23, and
     the smaller window (same count, less attended) is no candidate. Against the cache written out by hand:
-    a global layer holds the context, a window layer pad256(W + sinks + 512) cells, 2 x 128 values a cell."""
+    a global layer holds the context, a window layer pad256(W + sinks + n_ubatch) cells, 2 x 128 values a
+    cell."""
     model = KvModel(layers=tuple(KvLayer(128, 128) for _ in range(24)))
     n_ctx, budget, window_order = 32768, int(38.4 * 2 ** 20), list(range(24))
     cell_bytes = {"f16": 2 * 128 * 2, "q8_0": 2 * 128 // 32 * 34, "q8_0/q4_0": 128 // 32 * (34 + 18),
                   "q4_0": 2 * 128 // 32 * 18}
 
     def by_hand(kv_type, k, size):
-        cells = -(-(size + 4 + 512) // 256) * 256
+        cells = -(-(size + 4 + n_ubatch) // 256) * 256
         return ((24 - k) * n_ctx + k * cells) * cell_bytes[kv_type]
 
-    found = kv_budget.candidates(model, n_ctx, budget, [], window_order, [(128, 4), (512, 4)])
+    found = kv_budget.candidates(model, n_ctx, budget, [], window_order, [(128, 4), (512, 4)], n_ubatch=n_ubatch)
     expected = []
     for kv_type in kv_budget.KV_TYPES:
         fewest = 25
@@ -110,11 +124,11 @@ def test_a_smaller_window_is_a_candidate_where_it_needs_fewer_window_layers():
                 fewest = k
     assert [(c.kv_type, c.window[0], len(c.windows), c.kv_bytes) for c in found if c.windows] == expected
     counts = {(kv_type, size): k for kv_type, size, k, _ in expected}
-    assert counts[("q8_0", 512)] == 21 and counts[("q8_0", 128)] == 20
-    assert counts[("f16", 512)] == 23 and ("f16", 128) not in counts
-    # V in q4_0 frees room for two more global layers than q8_0 (19 window layers at W = 512)
-    assert counts[("q8_0/q4_0", 512)] == 19 and ("q8_0/q4_0", 128) not in counts
+    for key, count in BUDGET_COUNTS[n_ubatch].items():
+        assert counts.get(key) == count, key
     assert any("window layers (W = 128)" in c.label for c in found)
+    assert all(kv_budget.kv_bytes(model, n_ctx, c.kv_type, windows=c.windows, window=c.window,
+                                  n_ubatch=n_ubatch) == c.kv_bytes for c in found if c.windows)
 
 
 def test_the_budgets_window_sizes_show_at_its_context():
@@ -338,6 +352,35 @@ def test_window_candidates_are_measured_with_their_windows(tiny_gguf, tmp_path, 
     assert (windows is not None) == ("window layers" in chosen)
 
 
+@pytest.mark.llama
+def test_a_smaller_micro_batch_fits_window_layers_where_llama_cpps_default_does_not(tiny_gguf, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """-ub 64: a window layer (W = 64, 2 sinks) caches pad256(66 + 64) = 256 cells instead of the 768 of -ub 512,
+    32 KiB in F16 instead of 96, so 4 F16 window layers fit 0.3 MiB at 4,096 tokens (at -ub 512 they take
+    384 KiB, and no F16 candidate fits: 3 replaced layers leave 512 KiB). The chosen file, loaded by llama.cpp
+    with that micro-batch and its cache type, fits the budget; the summary gives -ub with the run flags."""
+    from nbl_gguf.llamacpp import library
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    out, budget = tmp_path / "out.gguf", int(0.3 * 2 ** 20)
+    tiny = KvModel(layers=tuple(KvLayer(32, 32) for _ in range(4)))
+    assert kv_budget.kv_bytes(tiny, 4096, "f16", windows=range(4), window=(64, 2)) > budget  # -ub 512
+    assert main(["convert", "--model", str(tiny_gguf), "--kv-budget", "0.3MiB", "--kv-budget-passkey", "off",
+                 "--ctx-size", "4096", "--window-size", "64", "--window-sinks", "2", "-ub", "64", "--nsamples", "8",
+                 "--seqlen", "64", "--no-progress", "--threads", "1", "--eval-chunks", "1", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "KV budget 307.20 KiB at 4,096 tokens with -ub 64" in printed
+    assert any(line.startswith("    4 window layers (W = 64), KV f16 ") for line in printed.splitlines()), printed
+    chosen = next(line for line in printed.splitlines() if line.endswith("<- chosen"))
+    kv_type = chosen.split("KV ")[1].split()[0].rstrip(",")
+    assert "-ub 64 (llama-cpp-python: " in printed and "n_ubatch = 64)" in printed
+    caches = library.context_kv_caches(out, n_ctx=4096, n_ubatch=64, kv_type=kv_type)
+    assert sum(c.mib for c in caches) * 2 ** 20 <= budget + 0.01 * 2 ** 20
+    # the F16 window file at llama.cpp's default micro-batch would not fit
+    if "window layers (W = 64), KV f16" in chosen:
+        assert sum(c.mib for c in library.context_kv_caches(out, n_ctx=4096, kv_type=kv_type)) * 2 ** 20 > budget
+
+
 def test_window_candidates_kept_global_for_recall_are_measured_as_their_own_files(tiny_gguf, tmp_path, monkeypatch,
                                                                                  capsys):
     """A budget where F16 needs three window layers and q8_0 one: the leave-one-out runs on the walk's kept layers
@@ -381,6 +424,30 @@ def test_the_summary_gives_kv_and_run_flags_at_the_kv_type(tmp_path):
     assert "run with" not in Summary(**{**summary.__dict__, "kv_type": "f16"}).table()
     split = Summary(**{**summary.__dict__, "kv_type": "q8_0/q4_0"}).table()
     assert f"-ctk q8_0 -ctv q4_0 (llama-cpp-python: type_k = GGML_TYPE_Q8_0, type_v = GGML_TYPE_Q4_0)" in split
+
+
+def test_the_summary_gives_kv_and_run_flags_at_the_micro_batch(tmp_path):
+    """convert -ub 128: a window file's sliding cache at pad256(W + S + 128) cells, said in the KV rows, and -ub
+    with the run flags (with the cache type's, where there is one); none at llama.cpp's own 512."""
+    from nbl_gguf.commands.convert_summary import Summary
+    from nbl_gguf.kv_cache import Context, kv_size
+
+    stock = KvModel(layers=tuple(KvLayer(64, 64) for _ in range(4)))
+    windowed = kv_budget.windowed(stock, [0, 2], (512, 4))
+    sizes = {n_ubatch: (kv_size(stock, Context(n_ctx=4096, n_ubatch=n_ubatch)),
+                        kv_size(windowed, Context(n_ctx=4096, n_ubatch=n_ubatch))) for n_ubatch in (128, 512)}
+    assert sizes[128][1].caches["sliding"].cells == 768 and sizes[512][1].caches["sliding"].cells == 1280
+    summary = Summary(model="m", quant="Q4_K_M", method="attn-nbl", criterion="best", n_layer=4, replaced=[],
+                      scores=None, stock_bytes=1, nbl_bytes=1, kv={4096: sizes[128]}, output=tmp_path / "o.gguf",
+                      n_ubatch=128)
+    table = summary.table()
+    assert "KV cache at 4,096 tokens (F16, -ub 128)" in table and "sliding-window layers: 768 cells" in table
+    assert f"run with: llama-cli -m {tmp_path / 'o.gguf'} -ub 128 (llama-cpp-python: n_ubatch = 128)" in table
+    quantized = Summary(**{**summary.__dict__, "kv_type": "q8_0"}).table()
+    assert ("-ctk q8_0 -ctv q8_0 -ub 128 (llama-cpp-python: type_k = GGML_TYPE_Q8_0, type_v = GGML_TYPE_Q8_0, "
+            "n_ubatch = 128)") in quantized
+    default = Summary(**{**summary.__dict__, "kv": {4096: sizes[512]}, "n_ubatch": 512}).table()
+    assert "run with" not in default and "-ub" not in default and "sliding-window layers: 1,280 cells" in default
 
 
 def test_the_summary_gives_each_candidates_passkeys_and_warns_when_the_chosen_one_lost_some(tmp_path):

@@ -350,3 +350,18 @@ def test_inspect_shows_each_layers_cache(files, capsys):
     rows = [" ".join(line.split()) for line in text.splitlines()]
     assert any(row.startswith("5 linear global freed 8.00 MiB attn_nbl:F32") for row in rows)
     assert any(row.startswith("6 attention sliding 1.50 MiB attn_k:F32") for row in rows)
+
+
+def test_the_selections_kv_figures_follow_the_micro_batch():
+    """calibrate/convert -ub: the selection's KV report of a model with sliding layers of its own (Gemma 3 270M:
+    15 of 18 slide over 512 tokens) holds pad256(512 + n_ubatch) cells a sliding layer, 256 values a K and a V
+    row; the global layers' cache is the context's, whatever the micro-batch."""
+    from nbl_gguf.calibration.report import describe_kv, kv_report
+
+    config = {"model_type": "gemma3_text", **GEMMA3_270M_CONFIG, "sliding_window": 512}
+    selection = {"layers": [0, 1]}  # two sliding layers replaced (every sixth layer is global)
+    for n_ubatch, cells in ((512, 1024), (128, 768)):
+        report = kv_report(config, selection, 8192, n_ubatch=n_ubatch)
+        assert report["nbl"]["caches"]["sliding"] == {"cells": cells, "layers": 13, "bytes": 13 * cells * 2 * 256 * 2}
+        assert report["nbl"]["caches"]["global"]["cells"] == 8192
+        assert (", -ub 128," in describe_kv(report)[0]) == (n_ubatch == 128)

@@ -153,16 +153,21 @@ def test_swa_full_gives_the_same_logits(window_model):
         ctx.close()
 
 
-def test_window_cache_is_the_window_the_sinks_and_a_ubatch(tmp_path):
+# pad256(700 + 4 + n_ubatch): llama-cli's micro-batch, and a smaller one (-ub 128) that shrinks the window cache
+@pytest.mark.parametrize("n_ubatch, window_cells", [(512, 1280), (128, 1024)])
+def test_window_cache_is_the_window_the_sinks_and_a_ubatch(tmp_path, n_ubatch, window_cells):
     reference = Reference([A, A, L, A], nbl_format.Windows(layers=(0, 3), size=700, sinks=4))
     path = reference.write(tmp_path / "window.gguf")
-    n_ctx, n_ubatch = 4096, 512
+    n_ctx = 4096
     _, caches = library.load_model_caches(path, n_ctx=n_ctx, n_ubatch=n_ubatch, swa_full=False, f32_kv=True)
-    sizes = kv_cache.kv_size(metadata.kv_model(gguf.GGUFReader(path)),
+    reader = gguf.GGUFReader(path)
+    sizes = kv_cache.kv_size(metadata.kv_model(reader),
                              kv_cache.Context(n_ctx=n_ctx, n_ubatch=n_ubatch, type_k="f32", type_v="f32"))
-    assert [(c.cells, c.layers) for c in caches] == [(4096, 1), (1280, 2)]  # pad256(700 + 4 + 512)
-    assert [(c.cells, c.layers) for c in sizes.caches.values()] == [(4096, 1), (1280, 2)]
+    assert [(c.cells, c.layers) for c in caches] == [(4096, 1), (window_cells, 2)]
+    assert [(c.cells, c.layers) for c in sizes.caches.values()] == [(4096, 1), (window_cells, 2)]
     assert sum(c.mib for c in caches) == pytest.approx(sizes.bytes / 2**20, abs=0.011)
+    # what convert's summary and inspect report at that micro-batch (-ub)
+    assert metadata.kv_sizes(reader, n_ctx, kv_type="f32", n_ubatch=n_ubatch)[1] == sizes
 
 
 def bad_file(tmp_path, types, extra_kv, name="bad.gguf"):

@@ -42,6 +42,17 @@ def test_upstream_keys_and_the_sinks_are_written_and_read_back(tmp_path):
     assert "2 layers attend to the last 512 tokens and the first 4 (sinks)" in text
 
 
+def test_inspect_gives_the_window_cache_at_the_micro_batch_asked_for(tmp_path, capsys):
+    from nbl_gguf import cli
+
+    path = write(tmp_path, [A, L, A, A], nbl_format.Windows(layers=(0, 3), size=512, sinks=4))
+    for n_ubatch, cells in ((None, 1280), (128, 768)):  # pad256(512 + 4 + n_ubatch), llama.cpp's 512 by default
+        assert cli.main(["inspect", "-c", "4096", str(path), *(["-ub", str(n_ubatch)] if n_ubatch else [])]) == 0
+        text = capsys.readouterr().out
+        assert f"sliding-window layers (window 512 + 4 sinks): 2 cache {cells:,} cells" in text, text
+        assert f"n_ubatch {n_ubatch or 512}," in text
+
+
 @pytest.mark.parametrize("types, windows, message", [
     ([A, L, A], nbl_format.Windows(layers=(1,), size=8), "layer 1 is a window layer and an NBL linear layer"),
     ([A, A, A], nbl_format.Windows(layers=(3,), size=8), "window layer 3 does not exist"),

@@ -176,7 +176,7 @@ def calibrate(settings: Settings) -> Path:
     try:
         if heldout_text:
             selection["heldout_text"] = {key: heldout_text[key] for key in ("selection_text", "windows")}
-        selection["kv_cache"] = kv_report(config, selection, settings.ctx_size, settings.kv_type)
+        selection["kv_cache"] = kv_report(config, selection, settings.ctx_size, settings.kv_type, settings.ubatch_size)
         report = {
             "format_version": 1,
             "model": {"name": stream.name, "path": stream.path, "architecture": (config.architectures or ["?"])[0],

@@ -3,27 +3,31 @@ replaced, and the text that `calibrate` and `convert` print of a selection."""
 
 from __future__ import annotations
 
+from nbl_gguf.kv_cache import DEFAULT_UBATCH
+
 KIND_NAMES = {"calibration": "the calibration text", "prose": "Python docs", "code": "Python code"}
 DEFAULT_KV_CTX = 4096  # the selection's KV figures for a model whose config names no training context
 
 
-def kv_report(config, selection: dict, n_ctx: int | None, kv_type: str = "f16") -> dict:
-    """The KV cache llama.cpp allocates at ``n_ctx`` (default: the training context) for the model
-    as it is and with the chosen layers replaced, and for each set that `best` compared: a
-    sliding-window layer frees only its window's cells, a global one a cache as long as the context."""
-    from nbl_gguf.kv_cache import cache_context, kv_size, model_from_config, training_context_from_config
+def kv_report(config, selection: dict, n_ctx: int | None, kv_type: str = "f16", n_ubatch: int | None = None) -> dict:
+    """The KV cache llama.cpp allocates at ``n_ctx`` (default: the training context) with micro-batches of
+    ``n_ubatch`` (default: llama.cpp's) for the model as it is and with the chosen layers replaced, and for
+    each set that `best` compared: a sliding-window layer frees only its window's cells, a global one a cache
+    as long as the context."""
+    from nbl_gguf.kv_cache import DEFAULT_UBATCH, cache_context, kv_size, model_from_config, training_context_from_config
 
     if n_ctx is None:
         n_ctx = training_context_from_config(config) or DEFAULT_KV_CTX
+    n_ubatch = n_ubatch or DEFAULT_UBATCH
     model = model_from_config(config)
-    context = cache_context(n_ctx, kv_type)
+    context = cache_context(n_ctx, kv_type, n_ubatch=n_ubatch)
 
     def size(layers) -> dict:
         kv = kv_size(model.without(layers), context)
         return {"bytes": kv.bytes, "caches": {name: {"cells": cache.cells, "layers": cache.layers, "bytes": cache.bytes}
                                               for name, cache in kv.caches.items()}}
 
-    report = {"n_ctx": n_ctx, "type": kv_type, "stock": size([]), "nbl": size(selection["layers"])}
+    report = {"n_ctx": n_ctx, "type": kv_type, "n_ubatch": n_ubatch, "stock": size([]), "nbl": size(selection["layers"])}
     compared = (selection.get("heldout") or {}).get("compared")
     if compared:
         report["compared"] = {c: size(entry["layers"])["bytes"] for c, entry in compared.items()}
@@ -40,7 +44,8 @@ def _change(before: int, after: int) -> str:
 
 def describe_kv(kv: dict) -> list[str]:
     stock, nbl = kv["stock"], kv["nbl"]
-    lines = [f"  KV cache at {kv['n_ctx']:,} tokens ({kv.get('type', 'f16').upper()}, as llama-cli allocates it): "
+    ubatch = f", -ub {kv['n_ubatch']}" if kv.get("n_ubatch", DEFAULT_UBATCH) != DEFAULT_UBATCH else ""
+    lines = [f"  KV cache at {kv['n_ctx']:,} tokens ({kv.get('type', 'f16').upper()}{ubatch}, as llama-cli allocates it): "
              f"{_mib(stock['bytes'])} -> "
              f"{_mib(nbl['bytes'])} ({_change(stock['bytes'], nbl['bytes'])})"]
     if "sliding" in stock["caches"]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from nbl_gguf.calibration.artifact import DEFAULT_CRITERION, TARGETS
 from nbl_gguf.errors import NblError
+from nbl_gguf.kv_cache import DEFAULT_UBATCH
 
 METHODS = ("attn-nbl", "attn-drop", "block-nbl")
 DEFAULT_M = 12
@@ -138,6 +139,7 @@ class Settings:
     selection_text: str = DEFAULT_SELECTION_TEXT
     ctx_size: int | None = None  # the context of the KV figures; None: the model's training context
     kv_type: str = "f16"  # the cache type of the KV figures (llama.cpp's -ctk/-ctv)
+    ubatch_size: int = DEFAULT_UBATCH  # the micro-batch of the KV figures (llama.cpp's -ub): a sliding-window cache holds one
     method: str = "attn-nbl"
     taps: int = DEFAULT_TAPS
     taps_rank: int | None = None  # None: calibration.taps.default_rank

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from nbl_gguf import kv_cache
 from nbl_gguf.calibration.settings import Settings, selection_budget
 from nbl_gguf.commands import flags
 from nbl_gguf.commands.convert_summary import Summary, resources_table
@@ -424,9 +425,10 @@ def convert(args) -> Summary:
         types = layers.types
         output_reader = gguf.GGUFReader(output)  # about 2 s for a 49K-token vocabulary: read once
         if layers.windows is not None:  # the file's own window layers: its sliding cache beside the global one
-            kv = {n_ctx: kv_sizes(output_reader, n_ctx, kv_type=kv_type) for n_ctx in contexts}
+            kv = {n_ctx: kv_sizes(output_reader, n_ctx, kv_type=kv_type, n_ubatch=args.ubatch_size) for n_ctx in contexts}
         else:
-            kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types, kv_type=kv_type) for n_ctx in contexts}
+            kv = {n_ctx: kv_sizes(stock_reader, n_ctx, types, kv_type=kv_type, n_ubatch=args.ubatch_size)
+                  for n_ctx in contexts}
         if (layers.calibration or {}).get("refine"):
             from nbl_gguf.calibration.report import describe_refine
 
@@ -437,7 +439,7 @@ def convert(args) -> Summary:
             criterion=args.criterion, n_layer=n_layer, replaced=selected,
             scores=layers.scores if layers.scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
-            kv=kv, kv_type=kv_type, budget=budget_report, output=output, runtime=args.runtime, resources=meter.stages,
+            kv=kv, kv_type=kv_type, n_ubatch=args.ubatch_size, budget=budget_report, output=output, runtime=args.runtime, resources=meter.stages,
             windows=window_report(windows, layers),
             taps_state_bytes=(taps_state(output_reader, types) or {}).get("state_bytes_per_sequence", 0),
         )
@@ -489,7 +491,6 @@ def check_windows(args, source, n_layer: int) -> int | None:
     """--windows and its companions checked before any work; the context the choice is measured at."""
     import json as _json
 
-    from nbl_gguf import kv_cache
     from nbl_gguf.calibration.windows import DEFAULT_CTX
     from nbl_gguf.gguf import nbl_format
 
@@ -632,6 +633,7 @@ class KvBudget:
     most_layers: int  # the calibration's m: no cache type needs more layers than this to fit
     eval_ctx: int  # the long context the candidates are measured at
     window_sizes: tuple[int, ...] = ()  # the window sizes of its window candidates (budget_window_sizes)
+    n_ubatch: int = kv_cache.DEFAULT_UBATCH  # the micro-batch the file will run with (-ub): window caches hold one
 
 
 def check_kv_budget(args, source, n_layer: int) -> KvBudget:
@@ -639,7 +641,6 @@ def check_kv_budget(args, source, n_layer: int) -> KvBudget:
     any calibration)."""
     import json as _json
 
-    from nbl_gguf import kv_cache
     from nbl_gguf.measurement import kv_budget
 
     if args.m is not None:
@@ -662,13 +663,14 @@ def check_kv_budget(args, source, n_layer: int) -> KvBudget:
         config = _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
         model, trained = kv_cache.model_from_config(config), kv_cache.training_context_from_config(config)
     n_ctx = args.ctx_size or trained or SUMMARY_CTX
-    most = kv_budget.check_reachable(model, n_ctx, size, n_layer - 1)
+    most = kv_budget.check_reachable(model, n_ctx, size, n_layer - 1, args.ubatch_size)
     if most == 0:
         raise NblError(f"--kv-budget {args.kv_budget} at {n_ctx:,} tokens is met by the stock model as it is "
-                       f"({kv_budget.format_mib(kv_budget.kv_bytes(model, n_ctx, 'f16'))} with an F16 cache): "
+                       f"({kv_budget.format_mib(kv_budget.kv_bytes(model, n_ctx, 'f16', n_ubatch=args.ubatch_size))} "
+                       f"with an F16 cache): "
                        f"nothing to replace")
     eval_ctx = min(BUDGET_CTX, n_ctx, trained or n_ctx)
-    return KvBudget(size, n_ctx, model, most, eval_ctx, budget_window_sizes(args, source, eval_ctx))
+    return KvBudget(size, n_ctx, model, most, eval_ctx, budget_window_sizes(args, source, eval_ctx), args.ubatch_size)
 
 
 def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer, taps, stock: Path, imatrix,
@@ -692,11 +694,11 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
         largest = max(windows_at)
         window_order, window_kept, recall = budget_window_order(
             args, source, n_layer, budget.eval_ctx, largest[0],
-            needed=kv_budget.windows_needed(budget.model, budget.n_ctx, budget.bytes, largest))
+            needed=kv_budget.windows_needed(budget.model, budget.n_ctx, budget.bytes, largest, budget.n_ubatch))
     found = kv_budget.candidates(budget.model, budget.n_ctx, budget.bytes, order, window_order, windows_at, window_kept,
-                                 recall.ranking if recall is not None else ())
+                                 recall.ranking if recall is not None else (), budget.n_ubatch)
     if not found:
-        deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order)
+        deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order, n_ubatch=budget.n_ubatch)
         raise NblError(f"--kv-budget {args.kv_budget} at {budget.n_ctx:,} tokens: the layers the calibration chose "
                        f"reach {kv_budget.format_mib(deepest)} at the least ({kv_budget.KV_TYPES[-1]} cache, "
                        f"{budget.most_layers} layers replaced); raise the budget")
@@ -718,7 +720,8 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     depths = DEPTHS if args.kv_budget_passkey == "on" else ()  # eval --passkey's default depths
     base, measured, stock_found = kv_budget.measure(stock, files, texts, budget.eval_ctx, BUDGET_CHUNKS, args.threads,
                                                     recall_depths=depths)
-    report = {"bytes": budget.bytes, "n_ctx": budget.n_ctx, "eval_ctx": budget.eval_ctx, "chunks": BUDGET_CHUNKS,
+    report = {"bytes": budget.bytes, "n_ctx": budget.n_ctx, "n_ubatch": budget.n_ubatch, "eval_ctx": budget.eval_ctx,
+              "chunks": BUDGET_CHUNKS,
               "stock_ppl": base, "passkey_depths": list(depths), "stock_passkey_found": stock_found,
               "window_recall": recall.report() if recall is not None else None,
               "candidates": [{"label": r.candidate.label, "kv_type": r.candidate.kv_type, "m": r.candidate.m,

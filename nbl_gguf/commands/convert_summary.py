@@ -8,6 +8,7 @@ from pathlib import Path
 
 from nbl_gguf.calibration.dataset import KINDS
 from nbl_gguf.gguf.from_artifact import RUNTIMES
+from nbl_gguf.kv_cache import DEFAULT_UBATCH
 from nbl_gguf.llamacpp.cache_types import cache_type_flags, split_cache_type
 
 
@@ -31,6 +32,7 @@ class Summary:
     resources: dict = field(default_factory=dict)  # usage.StageMeter.stages of the run
     taps_state_bytes: int = 0  # what llama.cpp keeps per sequence for the taps layers (F32), 0 without
     kv_type: str = "f16"  # the cache type of the KV rows, and of the flags to run the file with
+    n_ubatch: int = DEFAULT_UBATCH  # the micro-batch of the KV rows (llama.cpp's -ub), and of those flags
     budget: dict | None = None  # convert --kv-budget's candidates, as measured (choose_for_budget's report)
     windows: dict | None = None  # convert --windows' choice (calibration.windows.WindowChoice.report())
 
@@ -47,7 +49,8 @@ class Summary:
              change(self.stock_bytes, self.nbl_bytes)),
         ]
         for n_ctx, (stock, nbl) in self.kv.items():
-            rows.append((f"KV cache at {n_ctx:,} tokens ({self.kv_type.upper()})", human_bytes(stock.bytes),
+            ubatch = f", -ub {self.n_ubatch}" if self.n_ubatch != DEFAULT_UBATCH else ""
+            rows.append((f"KV cache at {n_ctx:,} tokens ({self.kv_type.upper()}{ubatch})", human_bytes(stock.bytes),
                          human_bytes(nbl.bytes),
                          change(stock.bytes, nbl.bytes)))
             if "sliding" in nbl.caches:
@@ -88,12 +91,20 @@ class Summary:
         lines.append(f"  layout: {RUNTIMES[self.runtime]}" if self.replaced or self.windows else
                      "  layout: the stock file itself, no layer replaced: any llama.cpp runs it")
         lines.append(f"  output: {self.output}")
-        if self.kv_type != "f16":
-            # llama.cpp cannot read a cache type from the file: the user passes it each run
-            type_k, type_v = split_cache_type(self.kv_type)
-            lines.append(f"  run with: llama-cli -m {self.output} {' '.join(cache_type_flags(self.kv_type))} "
-                         f"(llama-cpp-python: type_k = GGML_TYPE_{type_k.upper()}, type_v = GGML_TYPE_{type_v.upper()})")
+        lines += self.run_lines()
         return "\n".join(lines)
+
+    def run_lines(self) -> list[str]:
+        """The flags the KV rows hold for: llama.cpp cannot read a cache type or a micro-batch from the file, so
+        the user passes them each run (none for llama.cpp's defaults)."""
+        ubatch = self.n_ubatch != DEFAULT_UBATCH
+        if self.kv_type == "f16" and not ubatch:
+            return []
+        type_k, type_v = split_cache_type(self.kv_type)
+        flags = cache_type_flags(self.kv_type) + (["-ub", str(self.n_ubatch)] if ubatch else [])
+        python = ([f"type_k = GGML_TYPE_{type_k.upper()}", f"type_v = GGML_TYPE_{type_v.upper()}"]
+                  if self.kv_type != "f16" else []) + ([f"n_ubatch = {self.n_ubatch}"] if ubatch else [])
+        return [f"  run with: llama-cli -m {self.output} {' '.join(flags)} (llama-cpp-python: {', '.join(python)})"]
 
 
     def window_lines(self) -> list[str]:
@@ -134,7 +145,8 @@ class Summary:
         from nbl_gguf.gguf.inspect import human_bytes
 
         b = self.budget
-        lines = [f"  KV budget {human_bytes(b['bytes'])} at {b['n_ctx']:,} tokens: each KV type with the fewest layers "
+        ubatch = f" with -ub {b['n_ubatch']}" if b.get("n_ubatch", DEFAULT_UBATCH) != DEFAULT_UBATCH else ""
+        lines = [f"  KV budget {human_bytes(b['bytes'])} at {b['n_ctx']:,} tokens{ubatch}: each KV type with the fewest layers "
                  f"that fit, by held-out perplexity at {b['eval_ctx']:,} tokens ({b['chunks']} chunk of each kind's "
                  f"selection text) against stock with an F16 cache:"]
         width = max(len(c["label"]) for c in b["candidates"])

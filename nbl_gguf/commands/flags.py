@@ -154,6 +154,18 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-type", type=kv_type, default="f16", metavar="TYPE",
                         help="the KV cache type the file will run with (llama.cpp's -ctk/-ctv): f16 (default, as "
                              "llama.cpp), q8_0, q4_0, or K's/V's as q8_0/q4_0; the KV figures are given at it")
+    add_ubatch_size(parser)
+
+
+def add_ubatch_size(parser) -> None:
+    """-ub/--ubatch-size: the micro-batch the KV figures are given at (what a sliding-window layer caches)."""
+    from nbl_gguf.kv_cache import DEFAULT_UBATCH
+
+    parser.add_argument("-ub", "--ubatch-size", type=positive_int, default=DEFAULT_UBATCH, metavar="N",
+                        help="the micro-batch the file will run with (llama.cpp's -ub): a sliding-window or window "
+                             "layer caches its window, its sinks and one micro-batch, so a smaller one shrinks those "
+                             "caches and processes prompts more slowly; the KV figures are given at it (default: "
+                             f"{DEFAULT_UBATCH}, as llama.cpp)")
 
 
 

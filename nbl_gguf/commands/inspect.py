@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--ctx-size", type=flags.positive_int, default=None, metavar="N",
                         help="context of the KV cache figures (default: the model's training context, which "
                              "llama-cli and llama-server allocate when not given -c)")
+    flags.add_ubatch_size(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json and args.tensors:
         raise NblError("--tensors means nothing with --json: the JSON lists every tensor")
-    info = describe(args.file, args.ctx_size)
+    info = describe(args.file, args.ctx_size, args.ubatch_size)
     if args.json:
         print(json.dumps(info, indent=2))
     else:

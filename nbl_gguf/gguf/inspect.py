@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from nbl_gguf.calibration.artifact import CRITERIA
-from nbl_gguf.kv_cache import KvSize
+from nbl_gguf.kv_cache import DEFAULT_UBATCH, KvSize
 from nbl_gguf.gguf.metadata import (
     file_layer_types,
     file_type_name,
@@ -41,7 +41,8 @@ from nbl_gguf.gguf.nbl_format import (
 from nbl_gguf.gguf.stock_layout import read_stock_layer_types
 
 DEFAULT_CTX = 4096  # the KV figures' context for a file that names no training context
-CONTEXT_SETTINGS = "F16 K and V, one sequence, n_ubatch 512, flash attention not off, no --swa-full"
+def context_settings(n_ubatch: int = DEFAULT_UBATCH) -> str:
+    return f"F16 K and V, one sequence, n_ubatch {n_ubatch}, flash attention not off, no --swa-full"
 LAYOUTS = {
     "stock": "stock GGUF (no NBL layers)",
     "nbl": "NBL (patched llama.cpp)",
@@ -66,8 +67,9 @@ def cache_json(size: KvSize) -> dict:
                                             for name, cache in size.caches.items()}}
 
 
-def describe(path: str | os.PathLike, n_ctx: int | None = None) -> dict:
-    """Everything `inspect` prints, as plain data; KV cache sizes at ``n_ctx`` (default: the training context)."""
+def describe(path: str | os.PathLike, n_ctx: int | None = None, n_ubatch: int = DEFAULT_UBATCH) -> dict:
+    """Everything `inspect` prints, as plain data; KV cache sizes at ``n_ctx`` (default: the training context)
+    with micro-batches of ``n_ubatch`` (what a sliding-window layer caches beside its window)."""
     path = Path(path)
     reader, arch = open_model_gguf(path)
     n_layer = int(read_field(reader, f"{arch}.block_count", 0))
@@ -103,7 +105,7 @@ def describe(path: str | os.PathLike, n_ctx: int | None = None) -> dict:
     kv_stock, kv_file = kv_bytes_per_token(reader, types)
     if n_ctx is None:
         n_ctx = training_context(reader) or DEFAULT_CTX
-    size_stock, size_file = kv_sizes(reader, n_ctx)
+    size_stock, size_file = kv_sizes(reader, n_ctx, n_ubatch=n_ubatch)
     sliding = [layer.sliding for layer in kv_model(reader).layers]
     windows = read_windows(reader)
     layers = []
@@ -149,11 +151,11 @@ def describe(path: str | os.PathLike, n_ctx: int | None = None) -> dict:
             "n_ctx": n_ctx,
             "training_context": training_context(reader),
             "window": kv_model(reader).window,
-            "settings": CONTEXT_SETTINGS,
+            "settings": context_settings(n_ubatch),
             "sliding_window_modelled": sliding_window_modelled(reader),
             "stock": cache_json(size_stock),
             "file": cache_json(size_file),
-            **({"file_flash_attention_off": kv_sizes(reader, n_ctx, flash_attn=False)[1].bytes}
+            **({"file_flash_attention_off": kv_sizes(reader, n_ctx, flash_attn=False, n_ubatch=n_ubatch)[1].bytes}
                if read_stock_layer_types(reader) is not None else {}),
         },
         "tensor_types": dict(sorted(by_type.items())),

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from nbl_gguf.errors import NblError
-from nbl_gguf.kv_cache import KvModel, cache_context, kv_size
+from nbl_gguf.kv_cache import DEFAULT_UBATCH, KvModel, cache_context, kv_size
 
 # largest first; K in q8_0 with V in q4_0 holds where a q4_0 K breaks a model (Qwen2.5: +515% perplexity)
 KV_TYPES = ("f16", "q8_0", "q8_0/q4_0", "q4_0")
@@ -85,11 +85,13 @@ class Candidate:
         return f"{what}, KV {self.kv_type}{swapped}{refused}"
 
 
-def kv_bytes(model: KvModel, n_ctx: int, kv_type: str, replaced=(), windows=(), window=None) -> int:
+def kv_bytes(model: KvModel, n_ctx: int, kv_type: str, replaced=(), windows=(), window=None,
+             n_ubatch: int = DEFAULT_UBATCH) -> int:
     """The cache at ``n_ctx`` with the ``replaced`` layers gone and the ``windows`` layers kept over a
-    window of ``window`` = (W, sinks) tokens."""
+    window of ``window`` = (W, sinks) tokens, run in micro-batches of ``n_ubatch`` (what a window layer's cache
+    holds beside its window)."""
     return kv_size(windowed(model.without(replaced), windows, window),
-                   cache_context(n_ctx, kv_type)).bytes
+                   cache_context(n_ctx, kv_type, n_ubatch=n_ubatch)).bytes
 
 
 def windowed(model: KvModel, windows, window) -> KvModel:
@@ -105,70 +107,72 @@ def windowed(model: KvModel, windows, window) -> KvModel:
                                 for i, layer in enumerate(model.layers)), window=size, sinks=sinks)
 
 
-def most_layers_needed(model: KvModel, n_ctx: int, budget: int, max_m: int) -> int | None:
+def most_layers_needed(model: KvModel, n_ctx: int, budget: int, max_m: int, n_ubatch: int = DEFAULT_UBATCH) -> int | None:
     """The most layers any order could need to meet ``budget`` with the largest cache type that can meet it
     at all (the layers with the smallest caches replaced first: no order needs more), or None when
     even the smallest cache type with ``max_m`` layers replaced misses it. Sizes the calibration before
     its order is known."""
     for kv_type in KV_TYPES:
-        per_layer = kv_size(model, cache_context(n_ctx, kv_type)).per_layer
+        per_layer = kv_size(model, cache_context(n_ctx, kv_type, n_ubatch=n_ubatch)).per_layer
         smallest_first = sorted(range(len(per_layer)), key=lambda i: per_layer[i])
         for m in range(max_m + 1):
-            if kv_bytes(model, n_ctx, kv_type, smallest_first[:m]) <= budget:
+            if kv_bytes(model, n_ctx, kv_type, smallest_first[:m], n_ubatch=n_ubatch) <= budget:
                 return m
     return None
 
 
-def smallest_reachable(model: KvModel, n_ctx: int, max_m: int) -> int:
+def smallest_reachable(model: KvModel, n_ctx: int, max_m: int, n_ubatch: int = DEFAULT_UBATCH) -> int:
     """The smallest cache any choice can reach: the smallest type with the ``max_m`` largest caches gone."""
     kv_type = KV_TYPES[-1]
-    per_layer = kv_size(model, cache_context(n_ctx, kv_type)).per_layer
+    per_layer = kv_size(model, cache_context(n_ctx, kv_type, n_ubatch=n_ubatch)).per_layer
     largest_first = sorted(range(len(per_layer)), key=lambda i: -per_layer[i])
-    return kv_bytes(model, n_ctx, kv_type, largest_first[:max_m])
+    return kv_bytes(model, n_ctx, kv_type, largest_first[:max_m], n_ubatch=n_ubatch)
 
 
-def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int) -> int:
+def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int, n_ubatch: int = DEFAULT_UBATCH) -> int:
     """The layers the calibration must go to: most_layers_needed, or ``max_m`` where only some orders fit
     (which ones the calibration decides); an NblError naming the smallest cache that can be reached when
     no order does."""
-    smallest = smallest_reachable(model, n_ctx, max_m)
+    smallest = smallest_reachable(model, n_ctx, max_m, n_ubatch)
     if budget < smallest:
         raise NblError(f"--kv-budget {format_mib(budget)} at {n_ctx:,} tokens cannot be met: the smallest KV cache reachable "
                        f"is {format_mib(smallest)} (a {KV_TYPES[-1]} cache with {max_m} of {len(model.layers)} layers "
                        f"replaced); raise the budget or lower --ctx-size")
-    needed = most_layers_needed(model, n_ctx, budget, max_m)
+    needed = most_layers_needed(model, n_ctx, budget, max_m, n_ubatch)
     return max_m if needed is None else needed
 
 
 def candidates(model: KvModel, n_ctx: int, budget: int, order: list[int], window_order: list[int] | None = None,
                windows_at: Sequence[tuple[int, int]] = (), window_kept: int | None = None,
-               recall_ranking: Sequence[int] = ()) -> list[Candidate]:
+               recall_ranking: Sequence[int] = (), n_ubatch: int = DEFAULT_UBATCH) -> list[Candidate]:
     """Per cache type, the shortest prefix of ``order`` whose cache fits the budget (none where no prefix does);
     with ``window_order``, also, for each window ``windows_at`` = [(W, sinks), ...], the shortest prefix of it
     made window layers of that window that fits (from one window layer: no window layer is the stock
     candidate already), and its swap_globals with ``recall_ranking``. A smaller window is a candidate only
     where it needs fewer window layers than every larger one of that cache type: with as many, the larger
     window attends to more at the same count. ``window_kept``: how many of ``window_order`` the retrieval walk
-    kept (the rest it refused), None where there was no walk."""
+    kept (the rest it refused), None where there was no walk. ``n_ubatch``: the micro-batch the file will run with
+    (a window layer's cache holds one beside its window)."""
     out = []
     for kv_type in KV_TYPES:
         for m in range(len(order) + 1):
-            size = kv_bytes(model, n_ctx, kv_type, order[:m])
+            size = kv_bytes(model, n_ctx, kv_type, order[:m], n_ubatch=n_ubatch)
             if size <= budget:
                 out.append(Candidate(kv_type, tuple(sorted(order[:m])), size))
                 break
-        if not window_order or kv_bytes(model, n_ctx, kv_type) <= budget:
+        if not window_order or kv_bytes(model, n_ctx, kv_type, n_ubatch=n_ubatch) <= budget:
             continue
         fewest = len(window_order) + 1  # window layers the larger windows of this type needed
         for window in sorted(windows_at, reverse=True):
             for k in range(1, fewest):
-                size = kv_bytes(model, n_ctx, kv_type, windows=window_order[:k], window=window)
+                size = kv_bytes(model, n_ctx, kv_type, windows=window_order[:k], window=window, n_ubatch=n_ubatch)
                 if size <= budget:
                     refused = () if window_kept is None else tuple(sorted(window_order[window_kept:k]))
                     found = Candidate(kv_type, (), size, tuple(sorted(window_order[:k])), window, refused)
                     out.append(found)
                     out += [swap for swap in swap_globals(found, recall_ranking)
-                            if kv_bytes(model, n_ctx, kv_type, windows=swap.windows, window=window) <= budget]
+                            if kv_bytes(model, n_ctx, kv_type, windows=swap.windows, window=window,
+                                        n_ubatch=n_ubatch) <= budget]
                     fewest = k
                     break
     return out
@@ -209,17 +213,19 @@ def swap_globals(candidate: Candidate, recall_ranking: Sequence[int]) -> list[Ca
     return out
 
 
-def windows_needed(model: KvModel, n_ctx: int, budget: int, window: tuple[int, int]) -> int:
+def windows_needed(model: KvModel, n_ctx: int, budget: int, window: tuple[int, int],
+                   n_ubatch: int = DEFAULT_UBATCH) -> int:
     """How many window layers the cache types that need them take to fit, at most (layers in file order:
     the count, not which, is what the budget asks where the layers' caches are alike); every layer where
     none fits."""
     n_layer = len(model.layers)
     needed = 1
     for kv_type in KV_TYPES:
-        if kv_bytes(model, n_ctx, kv_type) <= budget:
+        if kv_bytes(model, n_ctx, kv_type, n_ubatch=n_ubatch) <= budget:
             continue
         fits = next((k for k in range(1, n_layer + 1)
-                     if kv_bytes(model, n_ctx, kv_type, windows=list(range(k)), window=window) <= budget), n_layer)
+                     if kv_bytes(model, n_ctx, kv_type, windows=list(range(k)), window=window,
+                                 n_ubatch=n_ubatch) <= budget), n_layer)
         needed = max(needed, fits)
     return needed
 
