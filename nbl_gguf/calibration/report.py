@@ -9,16 +9,16 @@ KIND_NAMES = {"calibration": "the calibration text", "prose": "Python docs", "co
 DEFAULT_KV_CTX = 4096  # the selection's KV figures for a model whose config names no training context
 
 
-def kv_report(config, selection: dict, n_ctx: int | None, kv_type: str = "f16", n_ubatch: int | None = None) -> dict:
+def kv_report(config, selection: dict, n_ctx: int | None, kv_type: str = "f16",
+              n_ubatch: int = DEFAULT_UBATCH) -> dict:
     """The KV cache llama.cpp allocates at ``n_ctx`` (default: the training context) with micro-batches of
-    ``n_ubatch`` (default: llama.cpp's) for the model as it is and with the chosen layers replaced, and for
+    ``n_ubatch`` for the model as it is and with the chosen layers replaced, and for
     each set that `best` compared: a sliding-window layer frees only its window's cells, a global one a cache
     as long as the context."""
-    from nbl_gguf.kv_cache import DEFAULT_UBATCH, cache_context, kv_size, model_from_config, training_context_from_config
+    from nbl_gguf.kv_cache import cache_context, kv_size, model_from_config, training_context_from_config
 
     if n_ctx is None:
         n_ctx = training_context_from_config(config) or DEFAULT_KV_CTX
-    n_ubatch = n_ubatch or DEFAULT_UBATCH
     model = model_from_config(config)
     context = cache_context(n_ctx, kv_type, n_ubatch=n_ubatch)
 

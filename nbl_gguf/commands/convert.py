@@ -439,7 +439,8 @@ def convert(args) -> Summary:
             criterion=args.criterion, n_layer=n_layer, replaced=selected,
             scores=layers.scores if layers.scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
-            kv=kv, kv_type=kv_type, n_ubatch=args.ubatch_size, budget=budget_report, output=output, runtime=args.runtime, resources=meter.stages,
+            kv=kv, kv_type=kv_type, n_ubatch=args.ubatch_size, budget=budget_report, output=output, runtime=args.runtime,
+            resources=meter.stages,
             windows=window_report(windows, layers),
             taps_state_bytes=(taps_state(output_reader, types) or {}).get("state_bytes_per_sequence", 0),
         )
