@@ -114,8 +114,12 @@ def describe_refine(refine: dict) -> str:
         base = held["unmodified_nll"][kind]
         before, after = (100 * (math.exp(held[key][kind] - base) - 1) for key in ("lmmse_nll", "refined_nll"))
         parts.append(f"{kind} {before:+.1f}% -> {after:+.1f}%")
-    steps = (f"{refine['steps']} steps, kept step {refine['best_step']} ({refine['stopped']})"
-             if "best_step" in refine else f"{refine.get('epochs', '?')} epochs a layer")
+    if "best_step" in refine:
+        kept = "the LMMSE maps" if refine["best_step"] == 0 else f"step {refine['best_step']}"
+        steps = f"{refine['steps']} steps, kept {kept} ({refine['stopped']})"
+    else:
+        steps = f"{refine.get('epochs', '?')} epochs a layer" + ("" if refine.get("kept", "refined") == "refined"
+                                                                 else f", kept {refine['kept']}")
     settings = refine.get("settings", {})
     weighed = ", each kind of text's loss weighed alike" if settings.get("balance") and settings.get("text") == "mix" else ""
     return (f"refined ({refine['form']} form{weighed}) the maps of layers {', '.join(map(str, refine['layers']))}: {steps}, "

@@ -377,7 +377,8 @@ def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"model form: steps between held-out evaluations and checkpoints (default: "
                             f"{refine.DEFAULT_EVAL_EVERY})")
     group.add_argument("--refine-patience", type=positive_int, default=refine.DEFAULT_PATIENCE, metavar="N",
-                       help=f"model form: evaluations without a better held-out loss before stopping (default: "
+                       help=f"model form: evaluations without a better held-out loss (on the mean, with no kind of "
+                            f"text worse than the LMMSE maps') before stopping (default: "
                             f"{refine.DEFAULT_PATIENCE})")
     group.add_argument("--refine-epochs", type=positive_int, default=refine.DEFAULT_STREAMED_EPOCHS, metavar="N",
                        help=f"streamed form: passes over each layer's tokens (default: "
