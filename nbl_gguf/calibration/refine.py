@@ -555,9 +555,8 @@ def refine_model(model, layers: list[int], layer_type: int, maps: dict, pieces: 
                                  "best": best, "history": history, "waited": waited,
                                  "start_nll": start_nll, "running": running})
     bar.close()
-    stopped = f"no better held-out loss with no kind of text worse in {settings.patience} evaluations" \
-        if waited >= settings.patience \
-        else "token budget"
+    stopped = (f"no better held-out loss with no kind of text worse in {settings.patience} evaluations"
+               if waited >= settings.patience else "token budget")
     _load_parameters(params, best["params"])
     taps = int(maps[layers[0]].taps) if layer_type == ATTN_TAPS else 1
     report = {
