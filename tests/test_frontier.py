@@ -165,7 +165,7 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     assert labels == ["stock", "stock kv q8_0/q4_0", "stock Q8_0", "stock prune 1 blocks",
                       "nbl-m1 taps4", "nbl-m1 taps4 kv q8_0", "nbl-m2 taps4", "nbl-m2 taps4 kv q8_0",
                       "nbl-m1 per-token", "nbl-m1 per-token kv q8_0", "nbl-m2 per-token", "nbl-m2 per-token kv q8_0",
-                      "windows 1", "windows 1 kv q8_0"]
+                      "windows 1", "windows 1 kv q8_0", "windows 1 Q8_0"]
     assert "| nbl-m2 taps4 kv q8_0 |" in printed and (out / "frontier.png").is_file()
     assert result["settings"]["long_ctx"] == 2048 and result["settings"]["kv_ctx"] == 2048
     rows = {r["label"]: r for r in result["rows"]}
@@ -187,6 +187,15 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     # one of 4 layers keeps 512 + 4 sinks (+ a ubatch) cells of the 2048: less than stock, more than 3 layers' worth
     assert 3 * rows["stock"]["kv_bytes"] // 4 < rows["windows 1"]["kv_bytes"] < rows["stock"]["kv_bytes"]
     assert gguf.GGUFReader(rows["windows 1"]["path"]).get_field("llama.attention.sliding_window") is not None
+    # the window layers on the weight type down: the window file's layers, the Q8_0 stock file's tensors
+    from nbl_gguf.gguf.nbl_format import read_windows
+
+    window_file, composed, knob = (gguf.GGUFReader(rows[label]["path"]) for label in
+                                   ("windows 1", "windows 1 Q8_0", "stock Q8_0"))
+    assert read_windows(composed) == read_windows(window_file) and read_windows(knob) is None
+    assert {t.name: (t.tensor_type, t.data.tobytes()) for t in composed.tensors} == \
+        {t.name: (t.tensor_type, t.data.tobytes()) for t in knob.tensors}
+    assert rows["windows 1 Q8_0"]["kv_bytes"] == rows["windows 1"]["kv_bytes"]
     # the pruned file: llama-quantize --prune-layers of the lowest block influence
     calibration = next(Path(work).rglob("taps4/calibration"))
     weakest = int(np.argmin(load_artifact(calibration).block_influence()))

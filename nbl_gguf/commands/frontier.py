@@ -13,7 +13,8 @@ The variants, each with an F16 KV cache unless named:
   --nbl-kv-types (default q8_0 and q4_0);
 - ours, window layers: `convert --m 0 --windows N` for each --frontier-windows N (default: half the layers,
   where the patched llama.cpp runs window layers for the architecture and the training context is above
-  twice the window), each also with those KV types.
+  twice the window), each also with those KV types, and once more on the weight type one step down (the same
+  layers written into that stock file).
 
 Every variant with a quantized cache costs two to four times an F16 one on a CPU (llama.cpp's CPU flash
 attention has a tiled path for F16 K and V only), so the KV type lists are what sets the frontier's time.
@@ -193,7 +194,7 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
     from nbl_gguf.gguf.from_artifact import AUTO_TAPS_CPU_MAX_WIDTH, DEFAULT_TAPS, gguf_architecture
     from nbl_gguf.gguf.nbl_format import TAPS_ARCHITECTURES
     from nbl_gguf.gguf.quantize import prune_blocks
-    from nbl_gguf.measurement.frontier import KNOB, NBL, STOCK, Variant
+    from nbl_gguf.measurement.frontier import KNOB, NBL, STOCK, Variant, neighbour_types
     from nbl_gguf.model_source import is_gguf_file
     from nbl_gguf.models import resolve_device
 
@@ -236,6 +237,9 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
             variants.append(Variant(label, NBL, candidate.path, made_by=command))
             variants += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=command) for t in nbl_kv]
 
+    # the window files again on the weight type one step down: that knob decodes fastest at depth 0, where a window
+    # saves nothing; one shrinks the weights, the other the cache, so the two compose
+    down = neighbour_types(side.quant)[0]
     for count in window_counts(args, side):
         (directory / f"windows{count}").mkdir(exist_ok=True)
         window_args = _with(args, m=[0], calibration=str(calibrations[taps_list[0]]))
@@ -246,6 +250,10 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
         label = f"windows {count}"
         variants.append(Variant(label, NBL, candidate.path, made_by=commands[0]))
         variants += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=commands[0]) for t in nbl_kv]
+        if down in side.knobs:
+            composed, how = windows_on_knob(candidate.path, side.knobs[down], side.n_layer, log)
+            made.append(how)
+            variants.append(Variant(f"{label} {down}", NBL, composed, made_by=how))
 
     if prune:
         influence = load_artifact(calibrations[taps_list[0]]).block_influence()
@@ -261,6 +269,25 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
         notes.append(f"Pruned blocks (least ShortGPT block influence, 1 - cos of a block's input and output on "
                      f"the calibration windows): {', '.join(map(str, blocks))}.")
     return f"{name} {side.quant}", variants, made, notes
+
+
+def windows_on_knob(window_file: Path, knob: Path, n_layer: int, log) -> tuple[Path, str]:
+    """(the path, how it was made) of the stock file ``knob`` (another weight type) with the window layers of
+    ``window_file``: the same layers, not chosen again on it; kept beside the window file under a name that
+    carries them."""
+    import gguf
+
+    from nbl_gguf.gguf.nbl_format import ATTENTION, NblLayers, read_windows, write_nbl_gguf
+
+    windows = read_windows(gguf.GGUFReader(window_file))
+    if windows is None:
+        raise NblError(f"{window_file} has no window layers to write into {knob.name}")
+    path = window_file.with_name(f"{window_file.stem}-{knob.stem}-w{'-'.join(map(str, windows.layers))}.gguf")
+    if not path.is_file():
+        log(f"{knob.name}: the window layers of {window_file.name} ({', '.join(map(str, windows.layers))})")
+        write_nbl_gguf(knob, path, NblLayers(types=[ATTENTION] * n_layer, windows=windows))
+    return path, (f"the window layers of {window_file.name} ({', '.join(map(str, windows.layers))}, W = {windows.size}, "
+                  f"{windows.sinks} sinks) written into {knob.name} (nbl_format.write_nbl_gguf; not chosen again)")
 
 
 def window_counts(args, side: StockSide) -> list[int]:
