@@ -43,7 +43,7 @@ def add_arguments(group) -> None:
                        help="the frontier of one --model against llama.cpp's own knobs: stock with quantized KV "
                             "caches (--kv-types), a weight type down and up, --prune-layers, NBL files at each --m "
                             "(default 4,8,12) with past-token and per-token maps and window files, each with the "
-                            "--nbl-kv-types; held-out perplexity at 512 "
+                            "--nbl-kv-types, the window files also on the weight type down; held-out perplexity at 512 "
                             "and a long context, KV bytes, llama-bench; markdown, CSV and a plot under -o")
     group.add_argument("--kv-types", default=",".join(DEFAULT_KV_TYPES),
                        help=f"--frontier: the stock file's KV cache types besides f16, K's/V's for a pair "
