@@ -317,8 +317,8 @@ def test_kv_log_of_plain_and_sliding_window_contexts():
 # --- a GGUF --model: the file itself against convert's surgery on it ----------------------------
 
 def test_bench_makes_the_largest_m_first_then_reuses_its_calibration(tmp_path, monkeypatch):
-    """best's measured choice goes to the m it was calibrated for: the first convert (which calibrates)
-    takes the largest m, the others reuse its calibration; files already made are not made again."""
+    """The first convert (which calibrates) takes the largest m, the others reuse its calibration (and
+    measure best at their own m on its held-out windows); files already made are not made again."""
     from types import SimpleNamespace
 
     from nbl_gguf.commands import convert

@@ -279,6 +279,27 @@ def test_convert_records_the_default_criterion_and_the_auto_choice(tiny_hf, tmp_
     assert [layer["score"] for layer in info["layers"]] == pytest.approx(list(artifact.scores(best)), rel=1e-6)
     assert [t["name"] for t in info["tensors"]] == [t.name for t in reader.tensors]
 
+    # another m from that calibration: best measured at that m on its held-out windows (not a prefix of its m = 1
+    # choice), recorded in the artifact, said in the file, and read back by a second conversion
+    out = tmp_path / "m2.gguf"
+    assert cli.main(["convert", *common, "--m", "2", "--calibration", str(tmp_path / "cal"), "-o", str(out)]) == 0
+    assert "best: attn-nbl m = 2 with 4-token maps" in capsys.readouterr().err
+    measured = load_artifact(tmp_path / "cal").measured_best(2)
+    compared = measured["heldout"]["compared"]
+    assert measured["chosen"] == min(compared, key=lambda c: (compared[c]["ppl_increase_pct"], list(compared).index(c)))
+    reader = gguf.GGUFReader(out)
+    assert [i for i, t in enumerate(nbl_format.read_layer_types(reader)) if t] == measured["layers"]
+    provenance = json.loads(reader.fields[nbl_format.CALIBRATION_KEY].contents())
+    assert provenance["selection"]["measured_after_calibration"] and provenance["selection"]["m"] == 2
+    assert provenance["selection"]["heldout"] == measured["heldout"]
+    assert reader.fields[nbl_format.SCORES_CRITERION_KEY].contents() == measured["chosen"]
+    assert cli.main(["inspect", str(out)]) == 0
+    assert "attn-nbl by best, m = 2 (measured at this m from the calibration)" in capsys.readouterr().out
+    assert cli.main(["convert", *common, "--m", "2", "--calibration", str(tmp_path / "cal"), "-o",
+                     str(tmp_path / "m2-again.gguf")]) == 0
+    assert "best: attn-nbl" not in capsys.readouterr().err
+    assert (tmp_path / "m2-again.gguf").read_bytes() == out.read_bytes()
+
     out = tmp_path / "auto.gguf"
     assert cli.main(["convert", *common, "--m", "auto", "--max-ppl-increase", "1e9", "--selection-windows", "20",
                      "--save-calibration", str(tmp_path / "auto-cal"), "-o", str(out)]) == 0

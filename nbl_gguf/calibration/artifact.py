@@ -225,7 +225,8 @@ class CalibrationArtifact:
     def select(self, m: int | None = None, criterion: str | None = None, method: str | None = None,
                taps: int | None = None) -> list[int]:
         """Layers to replace; with no arguments, the selection made at calibration time. ``taps``: the
-        maps they will get (a measured selection holds only for the maps it was measured with)."""
+        maps they will get (a measured selection holds only for the maps it was measured with). Best at
+        another m or kind of map than the calibration's is the one measured for it later (best_at)."""
         from nbl_gguf.calibration.solve import select_layers  # solve needs torch; reading an artifact does not
 
         chosen = self.report["selection"]
@@ -234,9 +235,57 @@ class CalibrationArtifact:
         method = method or chosen["method"]
         if method not in METHOD_TARGET:
             raise NblError(f"unknown method '{method}' (use {', '.join(METHOD_TARGET)})")
+        if criterion == "best" and m == 0:
+            return []
+        if criterion == "best" and not self._calibrated_best(m, method, taps):
+            measured = self.measured_best(m, method, taps)
+            if measured is None:
+                raise NblError(f"the best selection in {self.path} was measured at m = {chosen.get('m')} for "
+                               f"{chosen['method']} with {self.taps}-token maps, not at m = {m} for {method} with "
+                               f"{self.taps if taps is None else taps}-token maps: convert --calibration {self.path} "
+                               f"--m {m} measures it (or choose by --criterion cosine, nmse or cca)")
+            return sorted(measured["layers"])
         if criterion in ("greedy", "best"):
             return self._recorded_prefix(m, method, criterion, taps)
         return select_layers(self.scores(criterion, METHOD_TARGET[method]), m)
+
+    def _calibrated_best(self, m: int, method: str, taps: int | None) -> bool:
+        """Whether the calibration's own best selection answers for (m, method, taps): best measured its m,
+        or the m that --m auto's walk fitted, for its method and its maps. A smaller m is not a prefix of it: another
+        criterion can cost less there (measured: SmolLM2, m = 4 of an m = 12 cosine choice +22.0% at 4,096
+        tokens, nmse's own m = 4 +11.6%)."""
+        chosen = self.report["selection"]
+        return (chosen.get("criterion") == "best" and method == chosen["method"] and m == chosen.get("m")
+                and (taps is None or taps == self.taps))
+
+    def best_unmeasured(self, m: int, method: str | None = None, taps: int | None = None) -> bool:
+        """Whether best at (m, method, taps) is neither the calibration's choice nor measured since (best_at)."""
+        method = method or self.report["selection"]["method"]
+        return m != 0 and not self._calibrated_best(m, method, taps) and self.measured_best(m, method, taps) is None
+
+    def measured_best(self, m: int, method: str | None = None, taps: int | None = None) -> dict | None:
+        """The best selection measured after the calibration for (m, method, taps) (best_at.record), or None."""
+        method = method or self.report["selection"]["method"]
+        taps = self.taps if taps is None else int(taps)
+        for entry in self.report["selection"].get("measured_best", []):
+            if (entry["m"], entry["method"], entry["taps"]) == (m, method, taps):
+                return entry
+        return None
+
+    def nested_order(self, criterion: str | None = None, method: str | None = None, taps: int | None = None) -> list[int]:
+        """The layers in the order they join as m grows, each m's set holding the last's: a local criterion's
+        ranking, or the order greedy or best recorded (up to the calibration's m). Best's own choice at a smaller
+        m may differ from this order's prefix (select); a walk over growing sets (--kv-budget) reads this."""
+        from nbl_gguf.calibration.solve import ranking
+
+        chosen = self.report["selection"]
+        criterion = criterion or chosen["criterion"]
+        method = method or chosen["method"]
+        if criterion in ("greedy", "best"):
+            order = (chosen.get("heldout") or {}).get("order") or []
+            self._recorded_prefix(len(order), method, criterion, taps)  # refused as a prefix would be
+            return list(order)
+        return ranking(self.scores(criterion, METHOD_TARGET[method]))
 
     def _recorded_prefix(self, m: int, method: str, criterion: str, taps: int | None = None) -> list[int]:
         """The first m layers of the order that greedy or best recorded at calibration time (their choice
@@ -310,15 +359,32 @@ def save_refined(artifact: CalibrationArtifact, report: dict, tensors: dict[str,
     try:
         save_safetensors(tmp, tensors, metadata={"format": "nbl-calibration-refined"})
         os.replace(tmp, path / name)
-        full = {**artifact.report, "refine": {**report, "weights": name}}
-        tmp = path / f".{REPORT}.tmp"
-        tmp.write_text(json.dumps(full, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path / REPORT)
     finally:
         tmp.unlink(missing_ok=True)
+    _replace_report(path, {**artifact.report, "refine": {**report, "weights": name}})
     for old in path.glob("refined-*.safetensors"):
         if old.name != name:
             old.unlink(missing_ok=True)
+
+
+def save_measured_best(artifact: CalibrationArtifact, entries: list[dict]) -> None:
+    """Record best selections measured after the calibration (calibration.best_at) in ``artifact``'s report,
+    replacing those of the same (m, method, taps)."""
+    keys = {(e["m"], e["method"], e["taps"]) for e in entries}
+    kept = [e for e in artifact.report["selection"].get("measured_best", [])
+            if (e["m"], e["method"], e["taps"]) not in keys]
+    selection = {**artifact.report["selection"], "measured_best": kept + list(entries)}
+    _replace_report(Path(artifact.path), {**artifact.report, "selection": selection})
+
+
+def _replace_report(path: Path, report: dict) -> None:
+    """The artifact's report replaced whole (written aside, then renamed into place)."""
+    tmp = path / f".{REPORT}.tmp"
+    try:
+        tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path / REPORT)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_artifact(path: str | os.PathLike, report: dict, tensors: dict[str, np.ndarray], plot=None) -> Path:

@@ -184,13 +184,16 @@ def calibrate(settings: Settings) -> Path:
                       "dtype": str(stream.dtype).replace("torch.", ""), "device": stream.device,
                       **({"gguf": source.gguf.provenance()} if source.gguf is not None else {})},
             "data": {"dataset": settings.dataset or dataset.DEFAULT_DATASET, "dataset_config": settings.dataset_config,
-                     "split": settings.split, "nsamples": calib.nsamples, "nsamples_requested": nsamples,
+                     "split": settings.split, "text_field": settings.text_field, "nsamples": calib.nsamples,
+                     "nsamples_requested": nsamples,
                      "selection_windows": 0 if heldout_ids is None else int(heldout_ids.shape[0]),
                      **({"selection_text": heldout_text} if heldout_text else {}),
                      "seqlen": calib.seqlen, "tokens": calib.tokens, "documents": calib.documents,
                      "sha256": calib.sha256, "seed": settings.seed,
                      # the fit windows' tokens (sha256 is of the documents read, held-out windows included)
-                     "windows_sha256": tokens_digest(calib.input_ids)},
+                     "windows_sha256": tokens_digest(calib.input_ids),
+                     # the held-out windows', so that best measured again at another m is checked to use them
+                     **({"selection_sha256": tokens_digest(heldout_ids)} if heldout_ids is not None else {})},
             "statistics": {"device": str(stats_device), "tokens_per_layer": calib.tokens,
                            "covariances_saved": settings.save_covariances, "partial_sums": STATISTICS_PARTIAL,
                            "streamed": True, **details},

@@ -341,6 +341,8 @@ def convert(args) -> Summary:
             artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
             if artifact_hidden is not None and int(artifact_hidden) != hidden:
                 raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
+            if budget is None:
+                artifact = measure_best(artifact, args, source, method, n_layer, taps, meter)
             selected = chosen_layers(artifact, layer_choice(args), method, n_layer, taps)
         if args.refine:
             # 1a. the chosen layers' maps tuned against the model's output, added to the artifact (unless it
@@ -446,6 +448,26 @@ def convert(args) -> Summary:
         )
 
 
+def measure_best(artifact, args, source, method: str, n_layer: int, taps: int, meter):
+    """The artifact, with --criterion best measured at --m for these maps where its calibration chose for
+    another m or maps (calibration.best_at: the criteria's winner at one m is not a prefix of another's)."""
+    from nbl_gguf import models
+    from nbl_gguf.calibration import best_at
+    from nbl_gguf.calibration.settings import default_m
+
+    choice = layer_choice(args)
+    m = default_m(n_layer) if choice.m is None else choice.m
+    if choice.criterion != "best" or m == "auto" or not artifact.best_unmeasured(m, method, taps):
+        return artifact
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    with meter("best at m"):
+        return best_at.measure_and_record(artifact, source, [m], method, taps, models.resolve_device(args.device),
+                                          args.batch_size, log=lambda text: print(text, file=sys.stderr))
+
+
 def check_refine(args, method: str) -> None:
     """--refine, checked before anything runs."""
     from nbl_gguf.calibration.refine import check_refinable
@@ -465,7 +487,7 @@ def nbl_layers(artifact, args, source, method: str, n_layer: int, taps: int, sel
     (its refined maps where it holds them for these layers)."""
     from nbl_gguf.gguf import nbl_format
 
-    scores, scores_criterion = recorded_scores(artifact, args.criterion)
+    scores, scores_criterion = recorded_scores(artifact, args.criterion, selected)
     layer_type = nbl_format.DROPPED if method == "attn-drop" else nbl_format.TAPS if taps > 1 else nbl_format.LINEAR
     refined = method == "attn-nbl" and uses_refined(artifact, selected, taps, args.runtime)
     types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
@@ -682,11 +704,9 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     from nbl_gguf.measurement import kv_budget
     from nbl_gguf.measurement.passkey import DEPTHS
 
-    # the order the layers join in as m grows, as the normal path chooses them (each m's set holds the last's)
-    order: list[int] = []
-    for m in range(1, budget.most_layers + 1):
-        layers = chosen_layers(artifact, layer_choice(args, m), method, n_layer, taps)
-        order += sorted(set(layers) - set(order))
+    # the order the layers join in as m grows (each m's set holds the last's, so that the candidates nest): best's
+    # is the calibration's choice at the budget's deepest m, whose prefixes a smaller m's own best may beat
+    order = artifact.nested_order(args.criterion, method, taps)[:budget.most_layers]
     windows_at = [(size, args.window_sinks) for size in budget.window_sizes]
     window_order, window_kept, recall = None, None, None
     if windows_at:

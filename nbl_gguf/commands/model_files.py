@@ -28,8 +28,8 @@ def nbl_by_convert(args, model: str, directory: Path, suffix: str, extra: dict, 
     tag = "" if not args.calibration else f"-cal{abs(_stable_hash(str(calibration.resolve()))) % 100000:05d}"
     paths = {m: directory / f"nbl-m{m}{tag}{suffix}.gguf" for m in args.m}
     commands = {}
-    # the largest m first: the calibration's measured selection (best, the default) goes to the m it was
-    # made for, and a smaller m is a prefix of it
+    # the largest m first: its convert makes the calibration, on whose held-out windows each smaller m's best
+    # (the default criterion) is then measured for that m (calibration.best_at)
     for m in sorted(set(args.m), reverse=True):
         values = dict(model=model, m=m, **extra, output=str(paths[m]), seed=args.seed, no_progress=args.no_progress,
                       threads=args.threads)

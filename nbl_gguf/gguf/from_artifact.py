@@ -145,12 +145,14 @@ def chosen_layers(artifact, choice: LayerChoice, method: str, n_layer: int, taps
     return sorted(artifact.select(m, choice.criterion, method, taps))
 
 
-def recorded_scores(artifact, criterion: str) -> tuple[list[float] | None, str | None]:
+def recorded_scores(artifact, criterion: str, layers: list[int] | None = None) -> tuple[list[float] | None, str | None]:
     """(nbl.scores, the local criterion they are under): a local criterion's own; with best, those of the
-    criterion it chose (best keeps that criterion's ranking); greedy has none (no per-layer score: its
-    reasons are the held-out losses in the provenance)."""
+    criterion it chose for ``layers`` (best keeps that criterion's ranking: the calibration's choice, or the
+    one measured since at that m); greedy has none (no per-layer score: its reasons are the held-out losses in
+    the provenance)."""
     if criterion == "best":
-        criterion = artifact.report["selection"].get("chosen")
+        measured = _measured_entry(artifact.report.get("selection", {}), layers)
+        criterion = (measured or artifact.report["selection"]).get("chosen")
     if criterion not in CRITERIA:
         return None, None
     return [float(s) for s in artifact.scores(criterion, "attn")], criterion
@@ -282,8 +284,22 @@ def _refine_record(refine: dict) -> dict:
 
 
 def _measured_selection(selection: dict, layers: list[int] | None) -> dict:
-    """Why these layers, when they are the calibration's --m auto or greedy choice (held-out losses)."""
-    if layers is None or "heldout" not in selection or sorted(selection.get("layers", [])) != sorted(layers):
+    """Why these layers, when they are the calibration's measured choice (best, greedy, --m auto) or best
+    measured since at their m (calibration.best_at): the held-out losses."""
+    if layers is None:
         return {}
-    keys = ("method", "criterion", "m", "max_ppl_increase", "heldout")
-    return {"selection": {key: selection[key] for key in keys if key in selection}}
+    if "heldout" in selection and sorted(selection.get("layers", [])) == sorted(layers):
+        keys = ("method", "criterion", "m", "max_ppl_increase", "heldout")
+        return {"selection": {key: selection[key] for key in keys if key in selection}}
+    measured = _measured_entry(selection, layers)
+    if measured is None:
+        return {}
+    return {"selection": {"method": measured["method"], "criterion": "best", "m": measured["m"],
+                          "measured_after_calibration": True, "heldout": measured["heldout"]}}
+
+
+def _measured_entry(selection: dict, layers: list[int] | None) -> dict | None:
+    """The best selection measured since the calibration whose layers are ``layers``, if any."""
+    if layers is None or "heldout" in selection and sorted(selection.get("layers", [])) == sorted(layers):
+        return None  # the calibration's own choice answers first
+    return next((entry for entry in selection.get("measured_best", []) if entry["layers"] == sorted(layers)), None)

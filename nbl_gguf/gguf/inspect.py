@@ -250,6 +250,7 @@ def selection_lines(selection: dict) -> list[str]:
     heldout = selection.get("heldout") or {}
     lines = [f"{selection.get('method', '?')} by {selection.get('criterion', '?')}, m = {selection.get('m', '?')}"
              + (f" (--m auto within +{selection['max_ppl_increase']:g}%)" if "max_ppl_increase" in selection else "")
+             + (" (measured at this m from the calibration)" if selection.get("measured_after_calibration") else "")
              + f": held-out perplexity on {heldout.get('heldout_tokens', 0):,} tokens"
              + (f" (unmodified {heldout['base_ppl']:.3f})" if "base_ppl" in heldout else "")]
     compared = heldout.get("compared")

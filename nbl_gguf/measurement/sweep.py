@@ -107,49 +107,14 @@ def best_choices(artifact, source, methods: list[str], ms: list[int], cache, cal
     keys = {(method, m): f"best|{calib_tag}|{method}|m{m}" for method in methods for m in ms}
     if all(cache.get(key) for key in keys.values()):
         return {pair: cache.get(key)["chosen"] for pair, key in keys.items()}
-    import torch
+    from nbl_gguf.calibration import best_at
 
-    from nbl_gguf.calibration.apply import METHOD_LAYER_TYPE
-    from nbl_gguf.calibration.settings import DEFAULT_SELECTION_TEXT, DEFAULT_SELECTION_TOKENS
-    from nbl_gguf.calibration.dataset import (CALIBRATION_KIND, bundled_selection_windows, load_calibration,
-                                              mix_windows, parse_selection_text)
-    from nbl_gguf.calibration.select import best_of
-    from nbl_gguf.calibration.solve import ranking
-    from nbl_gguf.calibration.stream import LayerStream
-    from nbl_gguf.calibration.variants import StreamedEvaluator
-    from nbl_gguf.models import max_context
-
-    data = artifact.report["data"]
-    seqlen, fit_windows = int(data["seqlen"]), int(data["nsamples"])
-    held = int(data.get("selection_windows") or 0)
-    # an artifact from before the mix held out calibration windows only
-    counts = (data.get("selection_text") or {}).get("windows") or ({CALIBRATION_KIND: held} if held else mix_windows(
-        parse_selection_text(DEFAULT_SELECTION_TEXT), -(-DEFAULT_SELECTION_TOKENS // seqlen)))
-    own = counts.get(CALIBRATION_KIND, 0)
-    torch.manual_seed(0)
-    # the calibration's own compute type, so that the losses (and the choice) repeat calibrate's
-    dtype = getattr(torch, artifact.report["model"].get("dtype") or "float32")
-    stream = LayerStream(source, dtype, "cpu")
-    windows = load_calibration(stream.tokenizer, data.get("dataset"), fit_windows + own, seqlen,
-                               config=data.get("dataset_config"), split=data.get("split") or "train",
-                               max_positions=max_context(stream.config))
-    if own and windows.nsamples <= fit_windows:
-        raise NblError(f"--criterion best: the calibration text has no windows left after the {fit_windows} fit "
-                       f"windows to choose the layers on")
-    bundled, _ = bundled_selection_windows(stream.tokenizer, {k: n for k, n in counts.items() if k != CALIBRATION_KIND},
-                                           seqlen)
-    heldout = torch.cat([windows.input_ids[fit_windows:], bundled])
-    rankings = {c: ranking(artifact.scores(c, "attn")) for c in CRITERIA}
     choices = {}
     for method in methods:
-        evaluator = StreamedEvaluator(stream, heldout, METHOD_LAYER_TYPE[method],
-                                      lambda k, _type: artifact.linear(k, "attn"))
-        for m in ms:
-            _log(f"best: {method} m = {m} on {evaluator.tokens} held-out calibration tokens")
-            chosen, _, compared = best_of(evaluator, rankings, m)
-            cache.put(keys[(method, m)], {"chosen": chosen, "compared": compared})
-            choices[(method, m)] = chosen
-        evaluator.close()
+        for record in best_at.measure(artifact, source, ms, method, 1, log=_log):
+            compared = {c: (entry["layers"], entry["ppl_increase_pct"]) for c, entry in record["heldout"]["compared"].items()}
+            cache.put(keys[(method, record["m"])], {"chosen": record["chosen"], "compared": compared})
+            choices[(method, record["m"])] = record["chosen"]
     return choices
 
 
