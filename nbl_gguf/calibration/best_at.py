@@ -79,6 +79,7 @@ def measure(artifact, source, ms: list[int], method: str, taps: int, device: str
     windows: one record per m (artifact.measured_best's form), not yet saved."""
     import torch
 
+    from nbl_gguf.calibration.report import describe_selection
     from nbl_gguf.calibration.select import best_of
     from nbl_gguf.calibration.solve import ranking
     from nbl_gguf.calibration.stream import LayerStream
@@ -103,11 +104,14 @@ def measure(artifact, source, ms: list[int], method: str, taps: int, device: str
                 log(f"best: {method} m = {m} with {taps}-token maps, on the calibration's {evaluator.tokens} held-out "
                     f"tokens")
             chosen, trace, compared = best_of(evaluator, rankings, m)
-            records.append({"m": m, "method": method, "taps": taps, "chosen": chosen, "layers": sorted(trace.order),
+            records.append({"m": m, "method": method, "criterion": "best", "taps": taps, "chosen": chosen,
+                            "layers": sorted(trace.order),
                             "heldout": {**trace.as_report(),
                                         "compared": {c: {"layers": layers, "ppl_increase_pct": increase}
                                                      for c, (layers, increase) in compared.items()}},
                             "device": str(stream.device), "dtype": str(dtype).replace("torch.", "")})
+            if log is not None:
+                log(describe_selection(records[-1], artifact.num_layers))
     finally:
         evaluator.close()
     seconds = time.perf_counter() - started
