@@ -16,14 +16,15 @@ The calibration is made (convert --m <largest> --save-calibration, with the conv
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _conversions
+
+from _conversions import add_evaluation_arguments  # noqa: E402 - after the paths it is found by
 
 
 def main(argv=None) -> int:
@@ -33,27 +34,17 @@ def main(argv=None) -> int:
     parser.add_argument("--taps", type=int, default=4)
     parser.add_argument("--ms", default="4,8,12")
     parser.add_argument("--calibration", required=True, help="the calibration artifact (made at the largest m if absent)")
-    parser.add_argument("--eval-chunks", type=int, default=64, help="chunks of 512 (64: all of each kind's text)")
-    parser.add_argument("--long-ctx", type=int, default=4096)
-    parser.add_argument("--long-chunks", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None)
+    add_evaluation_arguments(parser)
     parser.add_argument("--out", required=True)
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]  # convert flags for the calibration (--nsamples, --seqlen, ...)
 
-    from nbl_gguf.calibration.artifact import REPORT, WEIGHTS, load_artifact
+    from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.calibration.dataset import KINDS, write_evaluation_text
-    from nbl_gguf.commands import convert as convert_command
-    from nbl_gguf.llamacpp.perplexity import perplexity
-
-    def convert(argv):
-        command = argparse.ArgumentParser()
-        convert_command.add_arguments(command)
-        return convert_command.convert(command.parse_args(argv))
+    from _conversions import convert, fresh_copy, long_perplexities, write_row
 
     def long_ppl(path: Path, texts: dict) -> dict:
-        return {kind: perplexity(path, text, n_ctx=args.long_ctx, chunks=args.long_chunks, threads=args.threads).ppl
-                for kind, text in texts.items()}
+        return long_perplexities(path, texts, args.long_ctx, args.long_chunks, args.threads)
 
     ms = sorted(int(x) for x in args.ms.split(","))
     common = ["--model", args.model, "--taps", str(args.taps), "--eval-chunks", str(args.eval_chunks), "--no-progress"] \
@@ -75,10 +66,7 @@ def main(argv=None) -> int:
         convert(common + ["--calibration", str(calibration), "--m", "0", "--no-eval", "-o", str(stock)])
         stock_long = long_ppl(stock, texts)
         for m in ms:
-            copy = tmp / f"calibration-{m}"  # a fresh copy: no best measured at this m yet
-            copy.mkdir()
-            for name in (WEIGHTS, REPORT):
-                shutil.copy2(calibration / name, copy / name)
+            copy = fresh_copy(calibration, tmp / f"calibration-{m}")  # no best measured at this m yet
             row_args = common + ["--calibration", str(copy), "--m", str(m)]
             files, summaries, seconds = {}, {}, {}
             # measured: best at m; prefix: the first m of the criterion the calibration chose (its order's prefix)
@@ -110,12 +98,7 @@ def main(argv=None) -> int:
                        "chosen": measured["chosen"], "seconds": round(measured["seconds"], 1),
                        "compared": measured["heldout"]["compared"], "heldout_tokens": measured["heldout"]["heldout_tokens"]},
                    "long_ctx": args.long_ctx, "heldout": heldout, "convert_seconds": seconds}
-            print(json.dumps(row), flush=True)
-            out.write(json.dumps(row) + "\n")
-            out.flush()
-            for path in files.values():
-                path.unlink(missing_ok=True)
-            shutil.rmtree(copy, ignore_errors=True)
+            write_row(out, row, set(files.values()), copy)
     return 0
 
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _conversions
+
+from _conversions import add_evaluation_arguments  # noqa: E402 - after the paths it is found by
 
 
 def main(argv=None) -> int:
@@ -32,10 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--taps", default="1,4")
     parser.add_argument("--quants", default="default", help="convert --quant for each (HF --model), or default")
     parser.add_argument("--criterion", default="cosine")
-    parser.add_argument("--eval-chunks", type=int, default=64, help="chunks of 512 (64: all of each kind's text)")
-    parser.add_argument("--long-ctx", type=int, default=4096)
-    parser.add_argument("--long-chunks", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None)
+    add_evaluation_arguments(parser)
     parser.add_argument("--variants", default="lmmse,refined",
                         help="the files made per row: lmmse,refined; refined alone when the LMMSE row is on record "
                              "(the same calibration: its files are the same)")
@@ -43,19 +42,12 @@ def main(argv=None) -> int:
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
 
-    from nbl_gguf.calibration.artifact import REPORT, WEIGHTS
+    from nbl_gguf.calibration.artifact import REPORT
     from nbl_gguf.calibration.dataset import KINDS, write_evaluation_text
-    from nbl_gguf.commands import convert as convert_command
-    from nbl_gguf.llamacpp.perplexity import perplexity
-
-    def convert(argv):
-        command = argparse.ArgumentParser()
-        convert_command.add_arguments(command)
-        return convert_command.convert(command.parse_args(argv))
+    from _conversions import convert, fresh_copy, long_perplexities, write_row
 
     def long_ppl(path: Path, texts: dict) -> dict:
-        return {kind: perplexity(path, text, n_ctx=args.long_ctx, chunks=args.long_chunks, threads=args.threads).ppl
-                for kind, text in texts.items()}
+        return long_perplexities(path, texts, args.long_ctx, args.long_chunks, args.threads)
 
     with tempfile.TemporaryDirectory() as tmp, open(args.out, "a", encoding="utf-8") as out:
         tmp = Path(tmp)
@@ -70,10 +62,7 @@ def main(argv=None) -> int:
             stock_long = long_ppl(stock, texts)
             for m in [int(x) for x in args.ms.split(",")]:
                 for taps in [int(x) for x in args.taps.split(",")]:
-                    copy = tmp / f"calibration-{m}-{taps}"
-                    copy.mkdir()
-                    for name in (WEIGHTS, REPORT):
-                        shutil.copy2(Path(args.calibration) / name, copy / name)
+                    copy = fresh_copy(Path(args.calibration), tmp / f"calibration-{m}-{taps}")
                     row_args = common + ["--calibration", str(copy), "--m", str(m), "--taps", str(taps)]
                     files, summaries, seconds = {}, {}, {}
                     made = {"lmmse": [], "refined": ["--refine", *extra]}
@@ -97,12 +86,7 @@ def main(argv=None) -> int:
                            "long_ctx": args.long_ctx, "heldout": heldout, "convert_seconds": seconds,
                            "extra_flags": extra,
                            "refine": {key: report[key] for key in report if key not in ("history", "weights")}}
-                    print(json.dumps(row), flush=True)
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
-                    for path in files.values():
-                        path.unlink(missing_ok=True)
-                    shutil.rmtree(copy, ignore_errors=True)
+                    write_row(out, row, files.values(), copy)
     return 0
 
 
