@@ -151,5 +151,11 @@ def test_best_at_refuses_windows_it_cannot_cut_again(calibrated, tmp_path):
     (tmp_path / "cal" / "report.json").write_text(json.dumps(report))
     with pytest.raises(NblError, match="held-out windows cut again differ"):
         best_at.selection_windows(load_artifact(tmp_path / "cal"), stream)
+    # a calibration chosen by a local criterion holds no best at any m until it is measured
+    report["selection"]["criterion"] = "cosine"
+    (tmp_path / "cal" / "report.json").write_text(json.dumps(report))
+    with pytest.raises(NblError, match=r"the selection in .* was made by cosine, not by best at m = 4 for attn-nbl "
+                                       r"with 2-token maps: convert --calibration .* --m 4 measures it"):
+        load_artifact(tmp_path / "cal").select(M, "best")
     # nothing was recorded by the refused measurements
     assert "measured_best" not in load_artifact(tmp_path / "cal").report["selection"]

@@ -240,10 +240,12 @@ class CalibrationArtifact:
         if criterion == "best" and not self._calibrated_best(m, method, taps):
             measured = self.measured_best(m, method, taps)
             if measured is None:
-                raise NblError(f"the best selection in {self.path} was measured at m = {chosen.get('m')} for "
-                               f"{chosen['method']} with {self.taps}-token maps, not at m = {m} for {method} with "
-                               f"{self.taps if taps is None else taps}-token maps: convert --calibration {self.path} "
-                               f"--m {m} measures it (or choose by --criterion cosine, nmse or cca)")
+                made = (f"the best selection in {self.path} was measured at m = {chosen.get('m')} for "
+                        f"{chosen['method']} with {self.taps}-token maps, not" if chosen.get("criterion") == "best"
+                        else f"the selection in {self.path} was made by {chosen.get('criterion')}, not by best")
+                raise NblError(f"{made} at m = {m} for {method} with {self.taps if taps is None else taps}-token maps: "
+                               f"convert --calibration {self.path} --m {m} measures it (or choose by --criterion "
+                               f"cosine, nmse or cca)")
             return sorted(measured["layers"])
         if criterion in ("greedy", "best"):
             return self._recorded_prefix(m, method, criterion, taps)
@@ -252,8 +254,7 @@ class CalibrationArtifact:
     def _calibrated_best(self, m: int, method: str, taps: int | None) -> bool:
         """Whether the calibration's own best selection answers for (m, method, taps): best measured its m,
         or the m that --m auto's walk fitted, for its method and its maps. A smaller m is not a prefix of it: another
-        criterion can cost less there (measured: SmolLM2, m = 4 of an m = 12 cosine choice +22.0% at 4,096
-        tokens, nmse's own m = 4 +11.6%)."""
+        criterion can cost less there (docs/results/frontier.md, "Best measured at each m")."""
         chosen = self.report["selection"]
         return (chosen.get("criterion") == "best" and method == chosen["method"] and m == chosen.get("m")
                 and (taps is None or taps == self.taps))
@@ -282,14 +283,21 @@ class CalibrationArtifact:
         criterion = criterion or chosen["criterion"]
         method = method or chosen["method"]
         if criterion in ("greedy", "best"):
-            order = (chosen.get("heldout") or {}).get("order") or []
-            self._recorded_prefix(len(order), method, criterion, taps)  # refused as a prefix would be
-            return list(order)
+            return self._recorded_order(method, criterion, taps)
         return ranking(self.scores(criterion, METHOD_TARGET[method]))
 
     def _recorded_prefix(self, m: int, method: str, criterion: str, taps: int | None = None) -> list[int]:
         """The first m layers of the order that greedy or best recorded at calibration time (their choice
         was measured on the model, so it cannot be redone from the scores)."""
+        order = self._recorded_order(method, criterion, taps)
+        if not 0 <= m <= len(order):
+            raise NblError(f"the {criterion} selection in {self.path} goes to m = {len(order)}, not {m}: "
+                           f"calibrate again with --criterion {criterion} --m {m}")
+        return sorted(order[:m])
+
+    def _recorded_order(self, method: str, criterion: str, taps: int | None = None) -> list[int]:
+        """The order greedy or best recorded at calibration time, refused by name when it was made by another
+        criterion, for another method or with other maps."""
         chosen = self.report["selection"]
         order = (chosen.get("heldout") or {}).get("order")
         if chosen.get("criterion") != criterion or order is None:
@@ -300,10 +308,7 @@ class CalibrationArtifact:
         if taps is not None and taps != self.taps:
             raise NblError(f"the {criterion} selection in {self.path} was measured with {self.taps}-token maps, not "
                            f"{taps}: calibrate with --taps {taps} (or choose by --criterion cosine, nmse or cca)")
-        if not 0 <= m <= len(order):
-            raise NblError(f"the {criterion} selection in {self.path} goes to m = {len(order)}, not {m}: "
-                           f"calibrate again with --criterion {criterion} --m {m}")
-        return sorted(order[:m])
+        return list(order)
 
     def layer_types(self, m: int | None = None, criterion: str | None = None, method: str | None = None) -> list[int]:
         """Per-layer codes for apply_nbl / the GGUF layer map (0 keep, 1 attn-nbl, 2 attn-drop, 3 block-nbl)."""
