@@ -20,6 +20,7 @@ from nbl_gguf.calibration.solve import ranking
 from nbl_gguf.calibration.stream import LayerStream
 from nbl_gguf.commands import calibrate
 from nbl_gguf.errors import NblError
+from nbl_gguf.gguf.from_artifact import provenance, recorded_scores
 from nbl_gguf.model_source import resolve_model
 
 LAYERS, M = 6, 4
@@ -125,6 +126,19 @@ def test_a_smaller_m_is_measured_and_recorded_not_cut_from_the_calibrations_orde
     assert [e["m"] for e in again.report["selection"]["measured_best"]] == [1, 2, 3]
     again = best_at.measure_and_record(again, source, [2], "attn-nbl", 1)
     assert [(e["m"], e["taps"]) for e in again.report["selection"]["measured_best"]] == [(1, 2), (2, 2), (3, 2), (2, 1)]
+    # a file says the measurement that chose its layers for its own maps, and no other's
+    for taps in (2, 1):
+        record = again.measured_best(2, taps=taps)
+        said = provenance(again, root, record["layers"], method="attn-nbl", taps=taps)["selection"]
+        assert said["heldout"] == record["heldout"] and said["measured_after_calibration"]
+        assert recorded_scores(again, "best", record["layers"], "attn-nbl", taps)[1] == record["chosen"]
+    two_token = again.measured_best(2, taps=2)
+    per_token = provenance(again, root, two_token["layers"], method="attn-nbl", taps=1).get("selection", {})
+    assert per_token.get("heldout") != two_token["heldout"]  # the same layers with other maps were not measured so
+    assert provenance(again, root, again.select(), taps=2)["selection"]["heldout"] == \
+        again.report["selection"]["heldout"]  # the calibration's own choice, for its maps
+    assert "selection" not in provenance(again, root, again.select(), taps=1)
+    assert "selection" not in provenance(again, root, again.select(), method="attn-drop", taps=2)
 
 
 def test_best_at_refuses_windows_it_cannot_cut_again(calibrated, tmp_path):

@@ -487,7 +487,7 @@ def nbl_layers(artifact, args, source, method: str, n_layer: int, taps: int, sel
     (its refined maps where it holds them for these layers)."""
     from nbl_gguf.gguf import nbl_format
 
-    scores, scores_criterion = recorded_scores(artifact, args.criterion, selected)
+    scores, scores_criterion = recorded_scores(artifact, args.criterion, selected, method, taps)
     layer_type = nbl_format.DROPPED if method == "attn-drop" else nbl_format.TAPS if taps > 1 else nbl_format.LINEAR
     refined = method == "attn-nbl" and uses_refined(artifact, selected, taps, args.runtime)
     types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
@@ -496,7 +496,7 @@ def nbl_layers(artifact, args, source, method: str, n_layer: int, taps: int, sel
     return nbl_format.NblLayers(types=types, linear=linear, taps=past, method="attn-taps" if past else method,
                                 criterion=args.criterion, scores=scores, scores_criterion=scores_criterion,
                                 calibration=provenance(artifact, Path(source.name), selected, gguf=source.gguf,
-                                                       refined=refined))
+                                                       refined=refined, method=method, taps=taps))
 
 
 def surgery(stock: Path, output: Path, layers, args, imatrix) -> dict:

@@ -145,14 +145,15 @@ def chosen_layers(artifact, choice: LayerChoice, method: str, n_layer: int, taps
     return sorted(artifact.select(m, choice.criterion, method, taps))
 
 
-def recorded_scores(artifact, criterion: str, layers: list[int] | None = None) -> tuple[list[float] | None, str | None]:
+def recorded_scores(artifact, criterion: str, layers: list[int] | None = None, method: str | None = None,
+                    taps: int | None = None) -> tuple[list[float] | None, str | None]:
     """(nbl.scores, the local criterion they are under): a local criterion's own; with best, those of the
-    criterion it chose for ``layers`` (best keeps that criterion's ranking: the calibration's choice, or the
-    one measured since at that m); greedy has none (no per-layer score: its reasons are the held-out losses in
-    the provenance)."""
+    criterion it chose for ``layers`` with ``method`` and ``taps``-token maps (best keeps that criterion's
+    ranking: the calibration's choice, or the one measured since at that m); greedy has none (no per-layer
+    score: its reasons are the held-out losses in the provenance)."""
     if criterion == "best":
-        measured = _measured_entry(artifact.report.get("selection", {}), layers)
-        criterion = (measured or artifact.report["selection"]).get("chosen")
+        record = _measured_record(artifact, layers, method, taps)
+        criterion = (record or artifact.report["selection"]).get("chosen")
     if criterion not in CRITERIA:
         return None, None
     return [float(s) for s in artifact.scores(criterion, "attn")], criterion
@@ -244,10 +245,13 @@ def _gguf_py_version() -> str | None:
         return None
 
 
-def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=None, refined: bool = False) -> dict:
+def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=None, refined: bool = False,
+               method: str | None = None, taps: int | None = None) -> dict:
     """What the GGUF records about its calibration (no paths or timings: the bytes must be reproducible);
-    ``gguf``: the GGUF file (model_source.GgufFile) the NBL file was made from, by name and sha256;
-    ``refined``: the maps are the artifact's refined ones (what was refined, and how far it moved)."""
+    ``layers``, ``method``, ``taps``: the file's replaced layers and their maps (the calibration's when None),
+    whose measured selection, if any, it records; ``gguf``: the GGUF file (model_source.GgufFile) the NBL file
+    was made from, by name and sha256; ``refined``: the maps are the artifact's refined ones (what was refined,
+    and how far it moved)."""
     from nbl_gguf import __version__
     from nbl_gguf.calibration.dataset import FILE_SUFFIXES
 
@@ -272,7 +276,7 @@ def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=
         "seed": data.get("seed"),
         "versions": {**report.get("versions", {}), "nbl_gguf": __version__, "gguf": _gguf_py_version(),
                      "llama.cpp": llama_cpp_commit(), "llama.cpp patches": llama_cpp_patches_sha256()},
-        **_measured_selection(report.get("selection", {}), layers),
+        **_measured_selection(artifact, layers, method, taps),
         **({"source_gguf": gguf.provenance()} if gguf is not None else {}),
         **({"refine": _refine_record(report["refine"])} if refined else {}),
     }
@@ -283,23 +287,30 @@ def _refine_record(refine: dict) -> dict:
     return {key: value for key, value in refine.items() if key not in ("seconds", "weights", "history", "device")}
 
 
-def _measured_selection(selection: dict, layers: list[int] | None) -> dict:
+def _measured_selection(artifact, layers: list[int] | None, method: str | None, taps: int | None) -> dict:
     """Why these layers, when they are the calibration's measured choice (best, greedy, --m auto) or best
-    measured since at their m (calibration.best_at): the held-out losses."""
-    if layers is None:
+    measured since at their m (calibration.best_at), for these maps: the held-out losses."""
+    record = _measured_record(artifact, layers, method, taps)
+    if record is None:
         return {}
-    if "heldout" in selection and sorted(selection.get("layers", [])) == sorted(layers):
+    if record is artifact.report["selection"]:
         keys = ("method", "criterion", "m", "max_ppl_increase", "heldout")
-        return {"selection": {key: selection[key] for key in keys if key in selection}}
-    measured = _measured_entry(selection, layers)
-    if measured is None:
-        return {}
-    return {"selection": {"method": measured["method"], "criterion": "best", "m": measured["m"],
-                          "measured_after_calibration": True, "heldout": measured["heldout"]}}
+        return {"selection": {key: record[key] for key in keys if key in record}}
+    return {"selection": {"method": record["method"], "criterion": "best", "m": record["m"],
+                          "measured_after_calibration": True, "heldout": record["heldout"]}}
 
 
-def _measured_entry(selection: dict, layers: list[int] | None) -> dict | None:
-    """The best selection measured since the calibration whose layers are ``layers``, if any."""
-    if layers is None or "heldout" in selection and sorted(selection.get("layers", [])) == sorted(layers):
-        return None  # the calibration's own choice answers first
-    return next((entry for entry in selection.get("measured_best", []) if entry["layers"] == sorted(layers)), None)
+def _measured_record(artifact, layers: list[int] | None, method: str | None, taps: int | None) -> dict | None:
+    """The record of the held-out measurement that chose ``layers`` for ``method`` with ``taps``-token maps
+    (None: the calibration's): the calibration's own selection, or a best measured since (best_at), or None.
+    A measurement holds for the maps it was measured with: the same layers with other maps were not measured."""
+    if layers is None:
+        return None
+    selection = artifact.report.get("selection", {})
+    method = method or selection.get("method")
+    taps = artifact.taps if taps is None else int(taps)
+    if ("heldout" in selection and sorted(selection.get("layers", [])) == sorted(layers)
+            and method == selection.get("method") and taps == artifact.taps):
+        return selection  # the calibration's own choice answers first
+    return next((entry for entry in selection.get("measured_best", [])
+                 if entry["layers"] == sorted(layers) and (entry["method"], entry["taps"]) == (method, taps)), None)
