@@ -312,5 +312,5 @@ def _measured_record(artifact, layers: list[int] | None, method: str | None, tap
     if ("heldout" in selection and sorted(selection.get("layers", [])) == sorted(layers)
             and method == selection.get("method") and taps == artifact.taps):
         return selection  # the calibration's own choice answers first
-    return next((entry for entry in selection.get("measured_best", [])
-                 if entry["layers"] == sorted(layers) and (entry["method"], entry["taps"]) == (method, taps)), None)
+    measured = artifact.measured_best(len(layers), method, taps)
+    return measured if measured is not None and measured["layers"] == sorted(layers) else None
