@@ -181,10 +181,11 @@ def resources_table(stages: dict) -> str:
     """Wall time and peak memory of each stage (the calibration's own stages indented under it)."""
     from nbl_gguf.gguf.inspect import human_bytes
 
-    lines = ["  time and memory (peak resident set of this process; the llama.cpp tools apart):"]
+    lines = ["  time and memory (peak resident set of this process, ~ where sampled; the llama.cpp tools apart):"]
     for name, record in stages.items():
         tools = record.get("tools_peak_rss_bytes") or {}
         extra = "".join(f", {tool} {human_bytes(peak)}" for tool, peak in tools.items())
         gpu = f", GPU {human_bytes(record['peak_gpu_bytes'])}" if "peak_gpu_bytes" in record else ""
-        lines.append(f"    {name:<32} {record['wall_s']:>9.1f} s  {human_bytes(record['peak_rss_bytes']):>11}{gpu}{extra}")
+        peak = ("~" if record.get("peak_rss_sampled") else "") + human_bytes(record["peak_rss_bytes"])
+        lines.append(f"    {name:<32} {record['wall_s']:>9.1f} s  {peak:>11}{gpu}{extra}")
     return "\n".join(lines)
