@@ -588,3 +588,76 @@ def test_states_are_locked_per_key_and_stale_ones_are_removed(tmp_path, capsys):
     assert not first.folder.exists() and not other.folder.exists()
     third.close(finished=True)
     assert not third.folder.exists()
+
+
+def test_a_model_s_config_and_tokenizer_are_read_once_per_process(tiny_folder, monkeypatch):
+    """One convert opens the model up to four times (calibration, best at m, window layers, refinement):
+    the GGUF's tokenizer, rebuilt from its vocabulary, is read once; each caller gets its own config; a
+    changed folder is read again."""
+    import shutil
+
+    import transformers
+
+    from nbl_gguf import models
+    from nbl_gguf.calibration import stream as stream_module
+    from nbl_gguf.model_source import resolve_model
+
+    reads = []
+    original = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *args, **kwargs: reads.append(args[0]) or original(*args, **kwargs))
+    monkeypatch.setattr(stream_module, "_LOADED", {})
+
+    gguf = resolve_model(str(models.embedded_gguf_path()))
+    config, tokenizer = stream_module.load_config_and_tokenizer(gguf)
+    again, same_tokenizer = stream_module.load_config_and_tokenizer(gguf)
+    assert len(reads) == 1 and same_tokenizer is tokenizer
+    assert again is not config and again.to_dict() == config.to_dict()
+    config.num_hidden_layers = 1  # a caller's change stays its own
+    assert stream_module.load_config_and_tokenizer(gguf)[0].num_hidden_layers == again.num_hidden_layers == 30
+    assert tokenizer("def f(x): return x")["input_ids"] == same_tokenizer("def f(x): return x")["input_ids"]
+
+    folder = tiny_folder / "copy"
+    shutil.copytree(tiny_folder / "model", folder)
+    stream_module.load_config_and_tokenizer(resolve_model(str(folder)))
+    stream_module.load_config_and_tokenizer(resolve_model(str(folder)))
+    assert len(reads) == 2
+    config_file = folder / "config.json"
+    config_file.write_text(config_file.read_text().replace('"num_hidden_layers": 8', '"num_hidden_layers": 7'))
+    assert stream_module.load_config_and_tokenizer(resolve_model(str(folder)))[0].num_hidden_layers == 7
+    assert len(reads) == 3
+
+
+def test_a_gguf_s_tensor_index_is_read_once_per_process(monkeypatch, tmp_path):
+    """gguf-py parses every metadata field (the vocabulary's strings one by one) to reach the tensors: a
+    second stream of the same file reads the same weights without parsing it again; another file, or
+    the same path rewritten, is parsed again."""
+    import shutil
+
+    import gguf
+
+    from nbl_gguf import models
+    from nbl_gguf.calibration import stream as stream_module
+    from nbl_gguf.calibration import weights as weight_io
+    from nbl_gguf.calibration.stream import LayerStream
+    from nbl_gguf.model_source import resolve_model
+
+    parses = []
+    original = gguf.GGUFReader.__init__
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, path, *a, **k: parses.append(str(path))
+                        or original(self, path, *a, **k))
+    monkeypatch.setattr(weight_io, "_GGUF_INDEX", {})
+    monkeypatch.setattr(stream_module, "_LOADED", {})
+    source = resolve_model(str(models.embedded_gguf_path()))
+    first = LayerStream(source, torch.float32, "cpu")  # transformers' config and tokenizer readers, and ours
+    parsed = len(parses)
+    second = LayerStream(source, torch.float32, "cpu")
+    assert len(parses) == parsed
+    name = "model.layers.3.self_attn.q_proj.weight"
+    assert torch.equal(first.weights.parameter(name, torch.float32), second.weights.parameter(name, torch.float32))
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(models.embedded_gguf_path(), copy)
+    parses.clear()
+    LayerStream(resolve_model(str(copy)), torch.float32, "cpu")
+    # resolve_model's header read, then the index (the same content: its config and tokenizer are known)
+    assert parses == [str(copy)] * 2

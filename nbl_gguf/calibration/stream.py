@@ -98,8 +98,34 @@ def starting_at(model, index: int, hidden: torch.Tensor):
             layers[i] = layer
 
 
+# (config, tokenizer) of each source already read in this process. A GGUF's tokenizer is rebuilt from its
+# vocabulary by transformers, tens of seconds for a 150K vocabulary, and one convert opens the model up to
+# four times (calibration, best at m, window layers, refinement).
+_LOADED: dict[tuple, tuple] = {}
+
+
+def _source_key(source) -> tuple:
+    if source.gguf is not None:
+        return ("gguf", source.gguf.sha256)
+    folder = source.hf_folder()
+    return ("folder", str(folder.resolve()),
+            tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.iterdir()) if p.is_file()))
+
+
 def load_config_and_tokenizer(source):
-    """(config, tokenizer) of a model_source.ModelSource without reading its weights."""
+    """(config, tokenizer) of a model_source.ModelSource without reading its weights: read once per
+    process, each caller given its own copy of the config (the tokenizer is shared: nothing here
+    changes one)."""
+    import copy
+
+    key = _source_key(source)
+    if key not in _LOADED:
+        _LOADED[key] = _read_config_and_tokenizer(source)
+    config, tokenizer = _LOADED[key]
+    return copy.deepcopy(config), tokenizer
+
+
+def _read_config_and_tokenizer(source):
     from transformers import AutoConfig, AutoTokenizer
 
     if source.gguf is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -277,6 +278,27 @@ class ResidentSource(WeightSource):
         return table[rows.to(table.device)].cpu()
 
 
+# (architecture, {name: tensor}) of each GGUF already opened in this process, by path, size and modification
+# time: gguf-py parses every metadata field to reach the tensors, the vocabulary's strings one by one (15 s for
+# Qwen2.5's 150K), and one convert opens the model up to four times
+_GGUF_INDEX: dict[tuple, tuple] = {}
+
+
+def _gguf_index(path: Path) -> tuple[str, dict]:
+    import gguf
+
+    status = path.stat()
+    key = (str(path.resolve()), status.st_size, status.st_mtime_ns)
+    if key not in _GGUF_INDEX:
+        reader = gguf.GGUFReader(path)
+        # tensors are read with plain reads (GgufSource._rows): only their names, shapes, types and offsets
+        tensors = {t.name: SimpleNamespace(name=t.name, shape=t.shape.copy(), tensor_type=t.tensor_type,
+                                           data_offset=int(t.data_offset)) for t in reader.tensors}
+        _GGUF_INDEX[key] = (str(reader.fields["general.architecture"].contents()), tensors)
+        del reader
+    return _GGUF_INDEX[key]
+
+
 class GgufSource(WeightSource):
     """A model GGUF's tensors, dequantized and processed as transformers' GGUF loader does."""
 
@@ -287,13 +309,10 @@ class GgufSource(WeightSource):
             get_gguf_hf_weights_map
 
         self.path = Path(path)
-        reader = gguf.GGUFReader(self.path)
-        arch = str(reader.fields["general.architecture"].contents())
+        arch, self.tensors = _gguf_index(self.path)
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
         to_hf = get_gguf_hf_weights_map(model, self.processor)
-        self.tensors = {t.name: t for t in reader.tensors}
         self.names = {hf: name for name, hf in to_hf.items() if name in self.tensors}
-        del reader  # its memory map of the whole file is not needed: tensors are read with plain reads
 
     def describe(self) -> str:
         return str(self.path)
