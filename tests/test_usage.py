@@ -83,3 +83,20 @@ def test_a_tool_s_peak_is_its_own_not_the_parent_s():
     # the kernel's ru_maxrss of the child would read this process's 300 MiB and more
     assert label == "allocator" and 50 * MiB <= peak < 200 * MiB
     del held
+
+
+def test_the_table_ends_with_the_whole_run_s_peak():
+    from nbl_gguf.commands.convert_summary import resources_table
+    from nbl_gguf.gguf.inspect import human_bytes
+    from nbl_gguf.usage import StageMeter, peak_rss_bytes
+
+    meter = StageMeter()
+    with meter("stage"):
+        pass
+    block = bytearray(80 * MiB)  # between the stages: only the whole run sees it
+    block[::4096] = b"z" * len(block[::4096])
+    peak = peak_rss_bytes()
+    del block
+    last = resources_table(meter.stages, process_peak=peak).splitlines()[-1].split()
+    assert last[:3] == ["the", "whole", "run"] and " ".join(last[3:]) == human_bytes(peak)
+    assert peak >= 80 * MiB and peak >= meter.stages["stage"]["peak_rss_bytes"]

@@ -34,7 +34,7 @@ from nbl_gguf.gguf.from_artifact import (RUNTIMES, LayerChoice, TapsRequest, che
                                          recorded_scores, taps_maps, uses_refined, weight_notes, writer)
 from nbl_gguf.gguf.quantize import FLOAT_TYPES, check_quant
 from nbl_gguf.outputs import check_output_dir, check_output_file
-from nbl_gguf.usage import StageMeter
+from nbl_gguf.usage import StageMeter, peak_rss_bytes
 
 DEFAULT_QUANT = "q4_k_m"
 # the summary's held-out perplexity: a small slice, so that it costs seconds on a small model
@@ -832,5 +832,5 @@ def run(args: argparse.Namespace) -> int:
     summary = convert(args)
     print(summary.table())
     if summary.resources:
-        print(resources_table(summary.resources))
+        print(resources_table(summary.resources, process_peak=peak_rss_bytes()))
     return 0

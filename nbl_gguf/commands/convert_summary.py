@@ -177,8 +177,10 @@ class Summary:
         return lines
 
 
-def resources_table(stages: dict) -> str:
-    """Wall time and peak memory of each stage (the calibration's own stages indented under it)."""
+def resources_table(stages: dict, process_peak: int | None = None) -> str:
+    """Wall time and peak memory of each stage (the calibration's own stages indented under it), and the
+    process's own peak so far where given: work between the stages (the summary reads both files) counts
+    there, as it does for /usr/bin/time."""
     from nbl_gguf.gguf.inspect import human_bytes
 
     lines = ["  time and memory (peak resident set of this process, ~ where sampled; the llama.cpp tools apart):"]
@@ -188,4 +190,6 @@ def resources_table(stages: dict) -> str:
         gpu = f", GPU {human_bytes(record['peak_gpu_bytes'])}" if "peak_gpu_bytes" in record else ""
         peak = ("~" if record.get("peak_rss_sampled") else "") + human_bytes(record["peak_rss_bytes"])
         lines.append(f"    {name:<32} {record['wall_s']:>9.1f} s  {peak:>11}{gpu}{extra}")
+    if process_peak is not None:
+        lines.append(f"    {'the whole run':<32} {'':>11}  {human_bytes(process_peak):>11}")
     return "\n".join(lines)
