@@ -20,9 +20,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from nbl_gguf.llamacpp.tools import CHILD_PEAKS  # the tools' peaks, recorded as each one exits
+from nbl_gguf.llamacpp.tools import CHILD_PEAKS, high_water_mark  # CHILD_PEAKS: the tools' peaks, as each exits
 
-STATUS = Path("/proc/self/status")
 STATM = Path("/proc/self/statm")
 SAMPLE_INTERVAL_S = 0.02
 # the stages running now; the sampler raises each one's sampled peak
@@ -33,12 +32,9 @@ _SAMPLER: dict = {}
 
 def peak_rss_bytes() -> int:
     """The process's peak resident set since it started."""
-    try:
-        for line in STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    mark = high_water_mark()
+    if mark is not None:
+        return mark
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -304,7 +304,6 @@ class GgufSource(WeightSource):
 
     def __init__(self, model, path: Path):
         super().__init__(model)
-        import gguf
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, \
             get_gguf_hf_weights_map
 

@@ -54,8 +54,9 @@ def run_tool(name: str, args: list[str], **kwargs) -> subprocess.CompletedProces
     return completed
 
 
-def _own_peak(pid: int) -> int | None:
-    """The peak resident set of a running child's own memory (its VmHWM, which starts afresh at exec)."""
+def high_water_mark(pid: int | str = "self") -> int | None:
+    """A process's peak resident set (its VmHWM, which starts afresh at exec), or None where /proc cannot
+    say (another system, a process gone)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -82,7 +83,7 @@ def run_measured(command: list[str], label: str, *, timeout: float | None = None
         own_peak = None  # Popen returns once the exec has succeeded: from here /proc shows the tool's own memory
         try:
             while True:
-                peak = _own_peak(process.pid)
+                peak = high_water_mark(process.pid)
                 if peak is not None:
                     own_peak = peak
                 pid, status, usage = os.wait4(process.pid, os.WNOHANG)
