@@ -16,8 +16,8 @@ from typing import Collection
 
 from nbl_gguf import models
 from nbl_gguf.errors import NblError
+from nbl_gguf.gguf_header import GGUF_MAGIC, read_header
 
-GGUF_MAGIC = b"GGUF"
 # nbl_format.LAYER_TYPES_KEY without its "{arch}" (that module is further down the pipeline)
 NBL_LAYER_TYPES_SUFFIX = ".nbl.layer_types"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
@@ -88,16 +88,14 @@ def resolve_model(model: str | None, *, runnable: Collection[str] | None = None,
 def read_gguf(path: Path, *, runnable: Collection[str] | None = None, calibrating: bool = True,
               flag: str = "--model") -> GgufFile:
     """The header of the model GGUF at ``path``, checked; a clear NblError (naming ``flag``) for anything else."""
-    import gguf
-
     with open(path, "rb") as handle:
         magic = handle.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
         raise NblError(f"{flag} {path} is a file but not a GGUF (it does not start with 'GGUF'): "
                        f"pass a HF model folder, a hub id or a .gguf file")
     try:
-        reader = gguf.GGUFReader(path)  # a tensor that runs past the end of the file fails here too
-    except Exception as error:  # noqa: BLE001 - gguf-py fails in many ways on a damaged file
+        reader = read_header(path)  # a tensor that runs past the end of the file fails here too
+    except (ValueError, UnicodeDecodeError) as error:
         raise NblError(f"{flag} {path} is not a readable GGUF (truncated or damaged?): "
                        f"{type(error).__name__}: {error}") from error
     field = reader.fields.get("general.architecture")

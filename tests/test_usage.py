@@ -1,7 +1,6 @@
 """The stage meter against the kernel's own accounting of the process (what /usr/bin/time -v reads)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

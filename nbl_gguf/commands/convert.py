@@ -229,7 +229,6 @@ def intermediate_type(args, quant: str, model_dir: Path) -> str:
 
 
 def convert(args) -> Summary:
-    import gguf
     from tqdm import tqdm
 
     from nbl_gguf.calibration.artifact import load_artifact
@@ -237,7 +236,7 @@ def convert(args) -> Summary:
     from nbl_gguf.calibration.report import describe_artifact
     from nbl_gguf.gguf import nbl_format
     from nbl_gguf.gguf.hf_to_gguf import check_conversion_space, check_hf_folder, convert_hf_to_gguf, model_shape
-    from nbl_gguf.gguf.metadata import kv_sizes, taps_state, training_context
+    from nbl_gguf.gguf.metadata import kv_sizes, open_gguf, taps_state, training_context
     from nbl_gguf.gguf.quantize import compute_imatrix, quantize
 
     # cheap checks first: a typo must not cost a calibration
@@ -419,13 +418,13 @@ def convert(args) -> Summary:
         progress.close()
         _default_permissions(output)
 
-        stock_reader = gguf.GGUFReader(stock_final)
+        stock_reader = open_gguf(stock_final)
         # the KV cache at the summary's context and at the training context, llama-cli's default -c, if longer
         contexts = sorted({SUMMARY_CTX, max(SUMMARY_CTX, training_context(stock_reader) or 0)})
         if args.ctx_size:  # the context the selection reported its saving at
             contexts = sorted({SUMMARY_CTX, args.ctx_size})
         types = layers.types
-        output_reader = gguf.GGUFReader(output)  # about 2 s for a 49K-token vocabulary: read once
+        output_reader = open_gguf(output)
         if layers.windows is not None:  # the file's own window layers: its sliding cache beside the global one
             kv = {n_ctx: kv_sizes(output_reader, n_ctx, kv_type=kv_type, n_ubatch=args.ubatch_size) for n_ctx in contexts}
         else:
@@ -526,11 +525,9 @@ def check_windows(args, source, n_layer: int) -> int | None:
         raise NblError("--windows and --kv-budget: the budget does not choose window layers yet (leave one out)")
     arch = source_architecture(source)
     if source.gguf is not None:
-        import gguf
+        from nbl_gguf.gguf.metadata import open_gguf, training_context
 
-        from nbl_gguf.gguf.metadata import training_context
-
-        trained = training_context(gguf.GGUFReader(source.gguf.path))
+        trained = training_context(open_gguf(source.gguf.path))
     else:
         config = _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
         trained = kv_cache.training_context_from_config(config)
@@ -676,11 +673,9 @@ def check_kv_budget(args, source, n_layer: int) -> KvBudget:
                        "--calibration")
     size = kv_budget.parse_size(args.kv_budget)
     if source.gguf is not None:
-        import gguf
+        from nbl_gguf.gguf.metadata import open_gguf, stock_kv_model, training_context
 
-        from nbl_gguf.gguf.metadata import stock_kv_model, training_context
-
-        reader = gguf.GGUFReader(source.gguf.path)
+        reader = open_gguf(source.gguf.path)
         model, trained = stock_kv_model(reader), training_context(reader)
     else:
         config = _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))

@@ -20,12 +20,10 @@ from nbl_gguf.measurement.sweep_report import collect_rows, plot, write_csv, wri
 
 
 def run_sweep(args) -> int:
-    import gguf as gguf_py
-
     from nbl_gguf.gguf import nbl_format
     from nbl_gguf.gguf.hf_to_gguf import check_hf_folder, model_shape
     from nbl_gguf.gguf.quantize import check_quant
-    from nbl_gguf.gguf.metadata import kv_bytes_per_token
+    from nbl_gguf.gguf.metadata import kv_bytes_per_token, open_gguf
     from nbl_gguf.model_source import is_gguf_file, resolve_model
     from nbl_gguf.measurement.perplexity import evaluate
     from nbl_gguf.measurement.tasks import check_task_files, check_text
@@ -82,7 +80,7 @@ def run_sweep(args) -> int:
     task_tag = _sha(json.dumps({t: [_file_sha(p), n] for t, (p, n) in task_files.items()}).encode())
     eval_tag = f"{text_tag}-c{args.ctx_size}-k{args.chunks}-{task_tag}"
 
-    stock_reader = gguf_py.GGUFReader(factory.stock)
+    stock_reader = open_gguf(factory.stock)
 
     def kv(config: Config) -> tuple[int, int]:
         return kv_bytes_per_token(stock_reader, [0 if i not in config.layers else 1 for i in range(n_layer)])

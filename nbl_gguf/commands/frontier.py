@@ -275,11 +275,10 @@ def windows_on_knob(window_file: Path, knob: Path, n_layer: int, log) -> tuple[P
     """(the path, how it was made) of the stock file ``knob`` (another weight type) with the window layers of
     ``window_file``: the same layers, not chosen again on it; kept beside the window file under a name that
     carries them."""
-    import gguf
-
+    from nbl_gguf.gguf.metadata import open_gguf
     from nbl_gguf.gguf.nbl_format import ATTENTION, NblLayers, read_windows, write_nbl_gguf
 
-    windows = read_windows(gguf.GGUFReader(window_file))
+    windows = read_windows(open_gguf(window_file))
     if windows is None:
         raise NblError(f"{window_file} has no window layers to write into {knob.name}")
     path = window_file.with_name(f"{window_file.stem}-{knob.stem}-w{'-'.join(map(str, windows.layers))}.gguf")
@@ -293,11 +292,9 @@ def windows_on_knob(window_file: Path, knob: Path, n_layer: int, log) -> tuple[P
 def window_counts(args, side: StockSide) -> list[int]:
     """--frontier-windows, or half the layers where the file can carry window layers at a context that shows
     them (above twice the default window); [] for none."""
-    import gguf
-
     from nbl_gguf.calibration.windows import DEFAULT_SIZE
     from nbl_gguf.gguf.from_artifact import gguf_architecture
-    from nbl_gguf.gguf.metadata import training_context
+    from nbl_gguf.gguf.metadata import open_gguf, training_context
     from nbl_gguf.gguf.nbl_format import WINDOW_ARCHITECTURES
 
     if args.frontier_windows is not None:
@@ -306,7 +303,7 @@ def window_counts(args, side: StockSide) -> list[int]:
             if not 0 < n <= side.n_layer:
                 raise NblError(f"--frontier-windows {n} is out of range: {side.name} has {side.n_layer} layers")
         return counts
-    trained = training_context(gguf.GGUFReader(side.stock)) or 0
+    trained = training_context(open_gguf(side.stock)) or 0
     if gguf_architecture(side.source) not in WINDOW_ARCHITECTURES or trained <= 2 * DEFAULT_SIZE:
         return []
     return [side.n_layer // 2]
@@ -340,10 +337,8 @@ def rewrite_report(args) -> int:
 
 
 def run_frontier(args) -> int:
-    import gguf
-
     from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, write_evaluation_text
-    from nbl_gguf.gguf.metadata import training_context
+    from nbl_gguf.gguf.metadata import open_gguf, training_context
     from nbl_gguf.measurement import frontier
     from nbl_gguf.measurement.bench_report import machine_description
     from nbl_gguf.measurement.llama_bench import resolve_backends
@@ -359,7 +354,7 @@ def run_frontier(args) -> int:
     backends, devices = resolve_backends(args.backends)
     started = time.monotonic()
     name, variants, made, notes = make_variants(args, log)
-    train_ctx = training_context(gguf.GGUFReader(variants[0].path)) or LONG_CTX
+    train_ctx = training_context(open_gguf(variants[0].path)) or LONG_CTX
     long_ctx = args.long_ctx or min(LONG_CTX, train_ctx)
     settings = frontier.FrontierSettings(
         short_chunks=args.ppl_chunks[0], long_ctx=long_ctx, long_chunks=args.ppl_chunks[1], kv_ctx=args.ctx_size or train_ctx,

@@ -2,7 +2,7 @@
 layer types, and the KV cache its layers get. The library that `inspect` renders (gguf.inspect) and
 that convert, eval, bench and the measurements read; per-architecture facts: nbl_gguf.architectures.
 
-Reads the file with gguf-py only (memory-mapped; no torch, no llama.cpp).
+Reads the header alone (nbl_gguf.gguf_header; gguf-py's reader where tensor data is wanted): no torch, no llama.cpp.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from nbl_gguf.architectures import ARCHITECTURES
 from nbl_gguf.errors import NblError
+from nbl_gguf.gguf_header import GGUF_MAGIC, GgufHeader, HeaderTruncated, read_header
 from nbl_gguf.kv_cache import KvLayer, KvModel, KvSize, cache_context, kv_size
 from nbl_gguf.gguf.nbl_format import (
     ATTENTION,
@@ -26,15 +27,12 @@ from nbl_gguf.gguf.nbl_format import (
 from nbl_gguf.gguf.stock_layout import read_stock_layer_types
 
 KV_BYTES = 2  # the KV cache is F16 by default in llama.cpp
-GGUF_MAGIC = b"GGUF"
-# how gguf-py fails when a field or a tensor runs past the end of the file (a cut download or copy)
-GGUF_PAST_THE_END = ("exceeds remaining file size", "cannot reshape array of size")
 
 
-def open_gguf(path: str | os.PathLike):
-    """A gguf-py reader of ``path``; a missing, foreign, truncated or damaged file is an NblError that says which."""
-    import gguf
-
+def open_gguf(path: str | os.PathLike) -> GgufHeader:
+    """The metadata keys and tensor entries of ``path``, what every function of this module reads
+    (nbl_gguf.gguf_header: gguf-py's reader would build an object per token); a missing, foreign, truncated
+    or damaged file is an NblError that says which."""
     path = Path(path)
     if not path.exists():
         raise NblError(f"{path} does not exist")
@@ -45,11 +43,11 @@ def open_gguf(path: str | os.PathLike):
     if magic != GGUF_MAGIC:
         raise NblError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as error:  # noqa: BLE001 - gguf-py raises assorted types for damaged files
-        if any(sign in str(error) for sign in GGUF_PAST_THE_END):
-            raise NblError(f"{path} is truncated (or its header is damaged): the file ends before the data its "
-                           f"header declares ({path.stat().st_size:,} bytes; gguf-py: {error})") from error
+        return read_header(path)
+    except HeaderTruncated as error:
+        raise NblError(f"{path} is truncated (or its header is damaged): the file ends before the data its header "
+                       f"declares ({path.stat().st_size:,} bytes; {error})") from error
+    except (ValueError, UnicodeDecodeError) as error:
         raise NblError(f"{path} is not a readable GGUF file: {error}") from error
 
 

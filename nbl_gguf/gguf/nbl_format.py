@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from nbl_gguf.errors import NblError
+from nbl_gguf.gguf_header import read_header
 from nbl_gguf.outputs import atomic_output
 
 ATTENTION = 0  # stock self-attention
@@ -183,7 +184,7 @@ def is_attention_tensor(name: str, layer: int) -> bool:
 
 
 def read_layer_types(reader) -> list[int] | None:
-    """The layer types of an open GGUFReader, or None for a stock file."""
+    """The layer types of an open GGUF (gguf-py's reader or gguf_header's), or None for a stock file."""
     arch = str(reader.fields["general.architecture"].contents())
     layer_types = reader.fields.get(LAYER_TYPES_KEY.format(arch=arch))
     return None if layer_types is None else [int(v) for v in layer_types.contents()]
@@ -264,19 +265,17 @@ def parse_weight_type(text: str, n_embd: int) -> str:
 
 def weight_types(src, layers: NblLayers, requested: str | None = None,
                  imatrix: str | Path | None = None) -> dict[int, WeightType]:
-    """W's type for each linear layer of ``layers`` written into ``src`` (a path or an open GGUFReader):
+    """W's type for each linear layer of ``layers`` written into ``src`` (a path, or its open reader or header):
     ``requested`` for all, or by default from the type of that layer's attn_output (default_weight_type).
     With ``imatrix`` (llama-imatrix's GGUF, of the stock model), W is quantized with the column weights of
     its layer's attn_q (IMATRIX_SOURCES)."""
-    import gguf
-
     if imatrix is not None:
         from nbl_gguf.gguf.quantize import imatrix_columns
 
         return {layer: replace(weight, importance=imatrix_columns(imatrix, [n.format(layer=layer) for n in IMATRIX_SOURCES]))
                 for layer, weight in weight_types(src, layers, requested).items()}
 
-    reader = src if isinstance(src, gguf.GGUFReader) else gguf.GGUFReader(src)
+    reader = read_header(src) if isinstance(src, (str, Path)) else src
     arch = str(reader.fields["general.architecture"].contents())
     n_embd = int(reader.fields[f"{arch}.embedding_length"].contents())
     mapped = sorted(set(layers.linear) | set(layers.taps))
@@ -408,7 +407,8 @@ def add_windows(writer, arch: str, windows: Windows, n_layer: int) -> None:
 
 
 def read_windows(reader) -> Windows | None:
-    """The window layers of an open GGUFReader, as the patched llama.cpp reads them (None: none)."""
+    """The window layers of an open GGUF (gguf-py's reader or gguf_header's), as the patched llama.cpp reads
+    them (None: none)."""
     arch = str(reader.fields["general.architecture"].contents())
     if arch not in WINDOW_ARCHITECTURES:
         return None

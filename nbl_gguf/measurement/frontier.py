@@ -162,15 +162,12 @@ def mean_speeds(records: list[dict]) -> dict[str, dict[str, float]]:
 
 def kv_bytes(path: Path, kv_type: str, n_ctx: int, readers: dict | None = None) -> int:
     """The KV cache llama.cpp allocates for the file at ``n_ctx`` with that cache type (llama-cli's settings).
-    ``readers``: the files read so far, by path (gguf-py takes about 2 s to read a 49K-token vocabulary,
-    and the variants of one file share it)."""
-    import gguf
-
-    from nbl_gguf.gguf.metadata import kv_sizes
+    ``readers``: the headers read so far, by path (the variants of one file share it)."""
+    from nbl_gguf.gguf.metadata import kv_sizes, open_gguf
 
     readers = {} if readers is None else readers
     if path not in readers:
-        readers[path] = gguf.GGUFReader(path)
+        readers[path] = open_gguf(path)
     _, size = kv_sizes(readers[path], n_ctx, kv_type=kv_type)
     return size.bytes
 

@@ -81,11 +81,9 @@ def longest_prompt(n_ctx: int) -> int:
 
 def check_lengths(model, lengths) -> None:
     """llama.cpp caps a sequence at the training context: a prompt and its answer beyond it find no cell."""
-    import gguf
+    from nbl_gguf.gguf.metadata import open_gguf, training_context
 
-    from nbl_gguf.gguf.metadata import training_context
-
-    trained = training_context(gguf.GGUFReader(model))
+    trained = training_context(open_gguf(model))
     if trained and max(lengths) + HEADROOM > trained:
         raise NblError(f"passkey prompts of {max(lengths):,} tokens: {Path(model).name} is trained to {trained:,}, "
                        f"which must hold the prompt and its answer (ask for at most {longest_prompt(trained):,})")

@@ -96,11 +96,9 @@ def _buffer_bytes(cost: ModelCost, cells: int, cache_type: str) -> float:
     that a file with window layers has a second, window-sized cache for them (kv_cache's rule)."""
     if not cost.window_cells:
         return cost.kv_bytes_per_token(cache_type) * cells
-    import gguf
+    from nbl_gguf.gguf.metadata import kv_sizes, open_gguf
 
-    from nbl_gguf.gguf.metadata import kv_sizes
-
-    _, size = kv_sizes(gguf.GGUFReader(cost.path), cells, kv_type=cache_type)
+    _, size = kv_sizes(open_gguf(cost.path), cells, kv_type=cache_type)
     return size.bytes
 
 
