@@ -142,6 +142,8 @@ def read_header(path: str | os.PathLike) -> GgufHeader:
             entries.append((name, dims, cursor.unpack("I"), cursor.unpack("Q")))
         header_end = cursor.at
     alignment = int(fields["general.alignment"].value) if "general.alignment" in fields else DEFAULT_ALIGNMENT
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment} is not a power of two (llama.cpp refuses it)")
     data_start = -(-header_end // alignment) * alignment
     tensors = []
     for name, dims, type_id, offset in entries:

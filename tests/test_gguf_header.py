@@ -112,3 +112,20 @@ def test_a_damaged_length_is_refused_not_read(tmp_path):
     damaged.write_bytes(bytes(data))
     with pytest.raises(NblError, match="damaged.gguf is truncated"):
         open_gguf(damaged)
+
+
+def test_an_alignment_llama_cpp_refuses_is_refused(tmp_path):
+    import gguf
+
+    whole = tmp_path / "whole.gguf"
+    write_every_type(whole, gguf.GGUFEndian.LITTLE)
+    data = bytearray(whole.read_bytes())
+    at = data.index(b"general.alignment") + len(b"general.alignment") + 4  # its u32 value, after the type
+    assert int.from_bytes(data[at:at + 4], "little") == 64
+    for alignment in (0, 48):
+        data[at:at + 4] = alignment.to_bytes(4, "little")
+        damaged = tmp_path / f"aligned-{alignment}.gguf"
+        damaged.write_bytes(bytes(data))
+        with pytest.raises(NblError, match=rf"aligned-{alignment}.gguf is not a readable GGUF file.*"
+                                           rf"general.alignment {alignment} is not a power of two"):
+            open_gguf(damaged)
