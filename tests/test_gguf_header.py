@@ -100,32 +100,33 @@ def test_a_cut_file_is_refused_by_name(tmp_path):
         open_gguf(foreign)
 
 
-def test_a_damaged_length_is_refused_not_read(tmp_path):
+def with_value_replaced(tmp_path, key: str, value: bytes, name: str):
+    """A copy of the every-type file (little-endian) whose value of ``key`` starts with ``value`` instead, as
+    ``name``; the original value's first bytes too."""
     import gguf
 
     whole = tmp_path / "whole.gguf"
     write_every_type(whole, gguf.GGUFEndian.LITTLE)
     data = bytearray(whole.read_bytes())
-    at = data.index(b"t.str") + len(b"t.str") + 4  # the string value's length, after the key and its type
-    data[at:at + 8] = (2**62).to_bytes(8, "little")  # far beyond the file: a read of it would try to allocate it
-    damaged = tmp_path / "damaged.gguf"
-    damaged.write_bytes(bytes(data))
+    at = data.index(key.encode()) + len(key) + 4  # the value, after the key and its type
+    original = bytes(data[at:at + len(value)])
+    data[at:at + len(value)] = value
+    (tmp_path / name).write_bytes(bytes(data))
+    return tmp_path / name, original
+
+
+def test_a_damaged_length_is_refused_not_read(tmp_path):
+    # a string length far beyond the file: a read of it would try to allocate it
+    damaged, _ = with_value_replaced(tmp_path, "t.str", (2**62).to_bytes(8, "little"), "damaged.gguf")
     with pytest.raises(NblError, match="damaged.gguf is truncated"):
         open_gguf(damaged)
 
 
 def test_an_alignment_llama_cpp_refuses_is_refused(tmp_path):
-    import gguf
-
-    whole = tmp_path / "whole.gguf"
-    write_every_type(whole, gguf.GGUFEndian.LITTLE)
-    data = bytearray(whole.read_bytes())
-    at = data.index(b"general.alignment") + len(b"general.alignment") + 4  # its u32 value, after the type
-    assert int.from_bytes(data[at:at + 4], "little") == 64
     for alignment in (0, 48):
-        data[at:at + 4] = alignment.to_bytes(4, "little")
-        damaged = tmp_path / f"aligned-{alignment}.gguf"
-        damaged.write_bytes(bytes(data))
+        damaged, original = with_value_replaced(tmp_path, "general.alignment", alignment.to_bytes(4, "little"),
+                                                f"aligned-{alignment}.gguf")
+        assert int.from_bytes(original, "little") == 64
         with pytest.raises(NblError, match=rf"aligned-{alignment}.gguf is not a readable GGUF file.*"
                                            rf"general.alignment {alignment} is not a power of two"):
             open_gguf(damaged)
