@@ -25,6 +25,10 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
+class NotGguf(ValueError):
+    """The file does not start with the GGUF magic."""
+
+
 class HeaderTruncated(ValueError):
     """The file ends before the header, or the tensor data it declares, does."""
 
@@ -109,15 +113,16 @@ class _Cursor:
 
 
 def read_header(path: str | os.PathLike) -> GgufHeader:
-    """The header of the GGUF ``path``; ValueError (HeaderTruncated where the file is cut short) for a file
-    that is not one. The caller checks that the file exists (nbl_gguf.gguf.metadata.open_gguf)."""
+    """The header of the GGUF ``path``; ValueError for a file that is not one (NotGguf without the magic,
+    HeaderTruncated where the file is cut short). The caller checks that the file exists
+    (nbl_gguf.gguf.metadata.open_gguf)."""
     import gguf
 
     path = Path(path)
     size = path.stat().st_size
     with path.open("rb", buffering=1 << 20) as handle:
         if handle.read(4) != GGUF_MAGIC:
-            raise ValueError("it does not start with the GGUF magic")
+            raise NotGguf("it does not start with the GGUF magic")
         raw_version = handle.read(4)
         if len(raw_version) < 4:
             raise HeaderTruncated(f"{size} bytes: shorter than a GGUF header")

@@ -16,7 +16,7 @@ from typing import Collection
 
 from nbl_gguf import models
 from nbl_gguf.errors import NblError
-from nbl_gguf.gguf_header import GGUF_MAGIC, read_header
+from nbl_gguf.gguf_header import NotGguf, read_header
 
 # nbl_format.LAYER_TYPES_KEY without its "{arch}" (that module is further down the pipeline)
 NBL_LAYER_TYPES_SUFFIX = ".nbl.layer_types"
@@ -88,14 +88,12 @@ def resolve_model(model: str | None, *, runnable: Collection[str] | None = None,
 def read_gguf(path: Path, *, runnable: Collection[str] | None = None, calibrating: bool = True,
               flag: str = "--model") -> GgufFile:
     """The header of the model GGUF at ``path``, checked; a clear NblError (naming ``flag``) for anything else."""
-    with open(path, "rb") as handle:
-        magic = handle.read(len(GGUF_MAGIC))
-    if magic != GGUF_MAGIC:
-        raise NblError(f"{flag} {path} is a file but not a GGUF (it does not start with 'GGUF'): "
-                       f"pass a HF model folder, a hub id or a .gguf file")
     try:
         reader = read_header(path)  # a tensor that runs past the end of the file fails here too
-    except (ValueError, UnicodeDecodeError) as error:
+    except NotGguf as error:
+        raise NblError(f"{flag} {path} is a file but not a GGUF (it does not start with 'GGUF'): "
+                       f"pass a HF model folder, a hub id or a .gguf file") from error
+    except ValueError as error:
         raise NblError(f"{flag} {path} is not a readable GGUF (truncated or damaged?): "
                        f"{type(error).__name__}: {error}") from error
     field = reader.fields.get("general.architecture")

@@ -88,7 +88,7 @@ def _check_gguf(path: Path, model_dir: Path) -> None:
 
     try:
         reader = read_header(path)  # a tensor past the end of the file fails here too
-    except (ValueError, UnicodeDecodeError) as error:
+    except ValueError as error:
         raise NblError(f"the converter's output for {model_dir} is not a readable GGUF: {error}") from error
     if "general.architecture" not in reader.fields or not reader.tensors:
         raise NblError(f"the converter's output for {model_dir} has no architecture or no tensors")

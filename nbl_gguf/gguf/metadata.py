@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nbl_gguf.architectures import ARCHITECTURES
 from nbl_gguf.errors import NblError
-from nbl_gguf.gguf_header import GGUF_MAGIC, GgufHeader, HeaderTruncated, read_header
+from nbl_gguf.gguf_header import GgufHeader, HeaderTruncated, NotGguf, read_header
 from nbl_gguf.kv_cache import KvLayer, KvModel, KvSize, cache_context, kv_size
 from nbl_gguf.gguf.nbl_format import (
     ATTENTION,
@@ -38,16 +38,14 @@ def open_gguf(path: str | os.PathLike) -> GgufHeader:
         raise NblError(f"{path} does not exist")
     if not path.is_file():
         raise NblError(f"{path} is not a file")
-    with path.open("rb") as handle:
-        magic = handle.read(4)
-    if magic != GGUF_MAGIC:
-        raise NblError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
     try:
         return read_header(path)
+    except NotGguf as error:
+        raise NblError(f"{path} is not a GGUF file (it does not start with the GGUF magic)") from error
     except HeaderTruncated as error:
         raise NblError(f"{path} is truncated (or its header is damaged): the file ends before the data its header "
                        f"declares ({path.stat().st_size:,} bytes; {error})") from error
-    except (ValueError, UnicodeDecodeError) as error:
+    except ValueError as error:
         raise NblError(f"{path} is not a readable GGUF file: {error}") from error
 
 
