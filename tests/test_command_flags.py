@@ -234,3 +234,20 @@ def test_convert_options_and_their_command_line_agree():
     assert vars(convert.options()) == vars(parser.parse_args([]))
     with pytest.raises(TypeError, match="no option bogus"):
         convert.options(bogus=1)
+
+
+@pytest.mark.parametrize("argv", [
+    ["nbl_gguf", "bench", "--frontier", "--m", "4", "--nbl-kv-types", "", "--prune-blocks", "0", "-o", "out dir"],
+    ["nbl_gguf", "--frontier", "--kv-types", "q8_0,q8_0/q4_0", "--work-dir", "/tmp/it's here"],
+])
+def test_a_recorded_command_runs_again_as_it_ran(argv):
+    # results files record the command; a shell reading it back must give bench the same options (an empty
+    # --nbl-kv-types joined with spaces alone became `--nbl-kv-types --prune-blocks`, which bench refuses)
+    import shlex
+
+    from nbl_gguf.commands import flags
+
+    words = shlex.split(flags.invocation("bench", argv))
+    assert words[:4] == ["python", "-m", "nbl_gguf", "bench"]
+    bench = parsers()["bench"]
+    assert bench.parse_args(words[4:]) == bench.parse_args(argv[2:] if argv[1] == "bench" else argv[1:])

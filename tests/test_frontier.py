@@ -202,3 +202,25 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     pruned = gguf.GGUFReader(rows["stock prune 1 blocks"]["path"])
     assert int(pruned.fields["llama.block_count"].parts[-1][0]) == 3
     assert f"--prune-layers {weakest} " in rows["stock prune 1 blocks"]["made_by"]
+
+
+@pytest.mark.parametrize("long_worst, scale", [((8.5, 2.1), "linear"), ((16, 4), "symlog")])
+def test_plot_axis_reads_as_plain_percent(long_worst, scale):
+    # a narrow range of losses (here at most +6.2%) drew symlog's own labels at its limits ("8.36438 x 10^0");
+    # a wide one (+100%) stays symlog, linear to 10%; the labels are plain numbers either way
+    import matplotlib.pyplot as plt
+
+    settings = FrontierSettings(depths=(0, 4096), kv_ctx=8192)
+    rows = [_row("stock", frontier.STOCK, (10, 4), (8, 2), 100, 50),
+            _row("stock kv q8_0", frontier.STOCK, (10.1, 4), (8.08, 2.02), 53, 48, "q8_0"),
+            _row("ours", frontier.NBL, (11, 5), long_worst, 80, 60)]
+    figure = frontier.draw("t", rows, settings)
+    try:
+        figure.canvas.draw()
+        for ax in figure.axes:
+            assert ax.get_yscale() == scale
+            labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+            assert labels
+            [float(text.replace("\u2212", "-")) for text in labels]  # a number each (mathtext is not)
+    finally:
+        plt.close(figure)

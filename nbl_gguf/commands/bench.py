@@ -334,7 +334,7 @@ def record(args, title, models, backends, devices, commands, rows, kv_rows, hf, 
 
     return {
         "title": title,
-        "command": "python -m nbl_gguf bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "command": flags.invocation("bench"),
         "settings": {k: getattr(args, k) for k in ("n_prompt", "n_gen", "depths", "rounds", "repetitions", "threads",
                                                    "cache_type", "bench_args", "quick")},
         "backends": backends, "devices": devices,

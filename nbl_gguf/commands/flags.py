@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
+import sys
 
 from nbl_gguf import models
 from nbl_gguf.calibration.artifact import DEFAULT_CRITERION, SELECTIONS
@@ -19,6 +21,15 @@ from nbl_gguf.calibration.settings import (DEFAULT_M, DEFAULT_MAX_PPL_INCREASE, 
 from nbl_gguf.errors import NblError
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+def invocation(command: str, argv: list[str] | None = None) -> str:
+    """`python -m nbl_gguf COMMAND ...` as it was run (``argv``: default sys.argv), quoted as a shell reads
+    it, so that a results file's command can be pasted again (an empty value such as --nbl-kv-types '' stays
+    one word)."""
+    argv = sys.argv if argv is None else argv
+    words = argv[2:] if argv[1:2] == [command] else argv[1:]
+    return shlex.join(["python", "-m", "nbl_gguf", command, *words])
 
 
 def whole_number(text: str) -> int:

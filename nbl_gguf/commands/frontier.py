@@ -369,7 +369,7 @@ def run_frontier(args) -> int:
                  for kind in KINDS}
         rows, raw = frontier.measure(variants, texts, settings, log)
     elapsed = time.monotonic() - started
-    notes = [f"Command: `python -m nbl_gguf {' '.join(sys.argv[1:])}`" if sys.argv[1:2] == ["bench"] else "",
+    notes = [f"Command: `{flags.invocation('bench')}`" if sys.argv[1:2] == ["bench"] else "",
              f"Perplexity: llama-perplexity on the bundled held-out text of each kind (never calibrated or selected "
              f"on), {settings.short_chunks} chunks of {settings.short_ctx} and {settings.long_chunks} of "
              f"{settings.long_ctx} tokens per kind; the change is against the stock file with an F16 cache. "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     output = check_output_file(args.output) if args.output else None  # before minutes of load, not after
     values = {f.name: getattr(args, f.name) for f in fields(SoakSettings)}
     settings = SoakSettings(**(values | {"server_arg": tuple(args.server_arg)}))
-    command = "python -m nbl_gguf soak " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["soak"] else sys.argv[1:])
+    command = flags.invocation("soak")
     result = soak(Path(args.model) if args.model else None, settings, command)
     if output is not None:
         tmp = atomic_output(output)

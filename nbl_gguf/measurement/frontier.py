@@ -322,13 +322,27 @@ def write_csv(path: Path, rows: list[Row], settings: FrontierSettings) -> Path:
     return path
 
 
+SYMLOG_LINEAR = 10  # percent of perplexity change: the plot's linear range
+
+
 def plot(path: Path, title: str, rows: list[Row], settings: FrontierSettings) -> Path:
+    """draw's figure, saved at ``path``."""
+    import matplotlib.pyplot as plt
+
+    figure = draw(title, rows, settings)
+    figure.savefig(path, dpi=130)
+    plt.close(figure)
+    return path
+
+
+def draw(title: str, rows: list[Row], settings: FrontierSettings):
     """Two panels: quality against KV bytes, quality against decode speed; the Pareto points ringed and
-    joined, every point named."""
+    joined, every point named (a matplotlib Figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     reference = rows[0]
     loss = [mean_change(r, reference, settings.long_ctx) for r in rows]
@@ -348,16 +362,18 @@ def plot(path: Path, title: str, rows: list[Row], settings: FrontierSettings) ->
                    zorder=4, label="Pareto points")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"mean perplexity change at {settings.long_ctx} tokens (%)")
-        ax.set_yscale("symlog", linthresh=10)
+        if max(abs(y) for y in loss) > SYMLOG_LINEAR:
+            # the losses span +0.1% to +500%: linear near zero, logarithmic beyond
+            ax.set_yscale("symlog", linthresh=SYMLOG_LINEAR)
+        # plain numbers: symlog's own labels of a narrow range read "8.36438 x 10^0"
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.grid(alpha=0.3)
     for group, color in colors.items():
         axes[0].scatter([], [], color=color, label=group)
     axes[0].legend(fontsize=8)
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=130)
-    plt.close(figure)
-    return path
+    return figure
 
 
 def write_outputs(out: Path, title: str, rows: list[Row], settings: FrontierSettings, raw: dict, notes: list[str],
