@@ -346,6 +346,8 @@ def draw(title: str, rows: list[Row], settings: FrontierSettings):
 
     reference = rows[0]
     loss = [mean_change(r, reference, settings.long_ctx) for r in rows]
+    # losses spanning +0.1% to +500% read on symlog (linear near zero, logarithmic beyond); a narrow range linear
+    wide = max(abs(y) for y in loss) > SYMLOG_LINEAR
     key = decode_key(settings)
     on = frontiers(rows, settings)
     colors = {STOCK: "black", KNOB: "tab:orange", NBL: "tab:blue"}
@@ -362,8 +364,7 @@ def draw(title: str, rows: list[Row], settings: FrontierSettings):
                    zorder=4, label="Pareto points")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"mean perplexity change at {settings.long_ctx} tokens (%)")
-        if max(abs(y) for y in loss) > SYMLOG_LINEAR:
-            # the losses span +0.1% to +500%: linear near zero, logarithmic beyond
+        if wide:
             ax.set_yscale("symlog", linthresh=SYMLOG_LINEAR)
         # plain numbers: symlog's own labels of a narrow range read "8.36438 x 10^0"
         ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
