@@ -100,12 +100,18 @@ SEEDS = {
     "qwen2-windows-taps": Seed("qwen2", (A, T, A), taps=3, windows=nbl_format.Windows(layers=(2,), size=4, sinks=0)),
     "qwen3-mixed": Seed("qwen3", (D, A, L)),
     "qwen3-windows": Seed("qwen3", (A, L, A), windows=nbl_format.Windows(layers=(0, 2), size=8, sinks=2)),
+    "qwen3-windows-taps": Seed("qwen3", (T, A, A), taps=2, windows=nbl_format.Windows(layers=(1,), size=4, sinks=2)),
     "phi3-mixed": Seed("phi3", (L, A, D)),
     "phi3-windows": Seed("phi3", (L, A, A), windows=nbl_format.Windows(layers=(1,), size=4, sinks=0)),
+    "phi3-taps": Seed("phi3", (A, T, L), taps=3, taps_form="lowrank"),
     "gemma2-mixed": Seed("gemma2", (A, L, D, A)),
     "gemma3-swa": Seed("gemma3", (L, A, D, A)),
+    # taps beside gemma's own sliding-window layers (the hybrid iSWA memory)
+    "gemma2-taps": Seed("gemma2", (A, T, A, L), taps=4, taps_form="channel"),
+    "gemma3-taps": Seed("gemma3", (T, A, D, A), taps=3),
     "gemma3-no-swa": Seed("gemma3", (A, D, L), arch_keys=False),
     "smollm3-mixed": Seed("smollm3", (A, D, L, L)),
+    "smollm3-taps": Seed("smollm3", (A, T, A, T), taps=3),
     # layer 3 has no RoPE: a window over positions it does not rotate
     "smollm3-windows": Seed("smollm3", (A, D, A, A), windows=nbl_format.Windows(layers=(0, 3), size=8, sinks=2)),
 }

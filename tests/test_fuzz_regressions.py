@@ -63,16 +63,20 @@ def seeds(tmp_path_factory) -> list[Path]:
 def test_seeds_cover_every_architecture_and_layer_type(seeds):
     import gguf
 
-    architectures, types, windowed = set(), set(), set()
+    architectures, types, windowed, with_taps = set(), set(), set(), set()
     for path in seeds:
         reader = gguf.GGUFReader(path)
-        architectures.add(str(reader.fields["general.architecture"].contents()))
+        arch = str(reader.fields["general.architecture"].contents())
+        architectures.add(arch)
         types.update(nbl_format.read_layer_types(reader) or [])
         if nbl_format.read_windows(reader) is not None:
-            windowed.add(str(reader.fields["general.architecture"].contents()))
+            windowed.add(arch)
+        if nbl_format.TAPS in (nbl_format.read_layer_types(reader) or []):
+            with_taps.add(arch)
     assert architectures == set(nbl_format.SUPPORTED_ARCHITECTURES)
     assert types == set(nbl_format.LAYER_TYPE_NAMES)
     assert windowed == set(nbl_format.WINDOW_ARCHITECTURES)
+    assert with_taps == set(nbl_format.TAPS_ARCHITECTURES)  # taps layers load and decode in each of them
     assert max(path.stat().st_size for path in seeds) < 64 * 1024
 
 

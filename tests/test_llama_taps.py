@@ -318,18 +318,38 @@ def load_make_seeds():
     return module
 
 
-def test_taps_on_an_architecture_without_taps_support_is_refused(tmp_path):
+def arch_switch_cases(function: str) -> set[str]:
+    """The architectures a `bool <function>(const llm_arch & arch)` switch of the patched llama-arch.cpp returns
+    true for, as GGUF names (LLM_ARCH_GEMMA3 -> gemma3)."""
+    import re
+
+    text = (llamacpp.source_dir() / "src" / "llama-arch.cpp").read_text(encoding="utf-8")
+    body = re.search(rf"bool {function}\(const llm_arch & arch\) \{{(.*?)\n\}}", text, re.S)
+    assert body, function
+    return {name.lower() for name in re.findall(r"case LLM_ARCH_(\w+):", body.group(1))}
+
+
+@pytest.mark.skipif(not (llamacpp.source_dir() / "src" / "llama-arch.cpp").is_file(),
+                    reason="needs the patched llama.cpp tree (scripts/build_llama.sh)")
+def test_the_taps_architectures_are_those_the_patched_loader_admits():
+    """nbl_format's lists mirror llm_arch_supports_nbl() and llm_arch_supports_nbl_taps(): the writer refuses
+    a taps layer exactly where the loader would (every NBL architecture since patch 0021)."""
+    assert arch_switch_cases("llm_arch_supports_nbl") == set(nbl_format.SUPPORTED_ARCHITECTURES)
+    assert arch_switch_cases("llm_arch_supports_nbl_taps") == set(nbl_format.TAPS_ARCHITECTURES)
+
+
+def test_taps_where_the_graph_cannot_build_them_are_refused_by_name(tmp_path, monkeypatch):
+    """An architecture that joins the NBL ones without its graph passing the taps state is left out of
+    TAPS_ARCHITECTURES, as of llm_arch_supports_nbl_taps(): the writer refuses a taps layer for it by name,
+    leaving nothing behind, and the loader refuses a file made anyway."""
     seeds = load_make_seeds()
-    # the writer refuses it by name, leaving nothing behind
     stock = seeds.write_seed(tmp_path / "qwen3.gguf", "qwen3", seeds.Seed("qwen3", None))
     taps = TinyLlama(n_layer=3, n_embd=seeds.N_EMBD).random_taps([1], 3)
-    with pytest.raises(NblError, match="'qwen3' model; the patched llama.cpp runs taps layers .* for llama, qwen2 only"):
-        nbl_format.write_nbl_gguf(stock, tmp_path / "out.gguf", nbl_format.NblLayers(types=[A, T, A], taps=taps))
+    with monkeypatch.context() as patched:
+        patched.setattr(nbl_format, "TAPS_ARCHITECTURES", ("llama", "qwen2"))
+        with pytest.raises(NblError, match="'qwen3' model; the patched llama.cpp runs taps layers .* for llama, qwen2 only"):
+            nbl_format.write_nbl_gguf(stock, tmp_path / "out.gguf", nbl_format.NblLayers(types=[A, T, A], taps=taps))
     assert not list(tmp_path.glob("out.gguf*")) and not list(tmp_path.glob(".out.gguf*"))
-    # and the loader refuses a file made anyway
-    made = seeds.write_seed(tmp_path / "qwen3-taps.gguf", "qwen3-taps", seeds.Seed("qwen3", (A, T, D), taps=3))
-    with pytest.raises(NblError, match=r"NBL taps layers \(type 3\) are not supported for architecture 'qwen3'"):
-        library.load_model(made, n_ctx=64)
 
 
 # --- llama-server: parallel slots, the prompt cache, and prompts that share only a prefix ----------

@@ -195,12 +195,13 @@ def family_folder(tmp_path: Path, family: str) -> Path:
 
 
 @pytest.mark.llama
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text"])
 def test_convert_taps_runs_in_llama_cpp_as_in_pytorch(family, tmp_path, calibration_text):
     """convert --taps writes type-3 layers with the artifact's maps; llama.cpp's logits on the F32 file
-    equal PyTorch's with the same layers replaced (TapsAttention), for both graphs that build taps
-    layers (llama; qwen2, patch 0014); a per-token artifact is refused for --taps, and a taps artifact
-    still serves --taps 1 (its per-token maps)."""
+    equal PyTorch's with the same layers replaced (TapsAttention), for every graph that builds taps
+    layers (llama; qwen2, patch 0014; qwen3, phi3, smollm3, gemma2 and gemma3 beside their own sliding
+    layers, patch 0021); a per-token artifact is refused for --taps, and a taps artifact still serves
+    --taps 1 (its per-token maps)."""
     pytest.importorskip("llama_cpp")
     import gguf
 
@@ -220,14 +221,18 @@ def test_convert_taps_runs_in_llama_cpp_as_in_pytorch(family, tmp_path, calibrat
                                    save_calibration=str(tmp_path / "cal")))
     artifact = load_artifact(tmp_path / "cal")
     reader = gguf.GGUFReader(out)
+    from _family_helpers import FAMILIES
+
+    arch = "llama" if family == "llama" else FAMILIES[family][2]
+    assert str(reader.fields["general.architecture"].contents()) == arch
     types = nbl_format.read_layer_types(reader)
     assert [i for i, t in enumerate(types) if t == nbl_format.TAPS] == summary.replaced
-    assert int(reader.fields[f"{family}.nbl.taps"].contents()) == TAPS
+    assert int(reader.fields[f"{arch}.nbl.taps"].contents()) == TAPS
     assert summary.method == "attn-taps"
     from nbl_gguf.gguf.inspect import describe, human_bytes
 
     state = describe(out)["taps"]["state_bytes_per_sequence"]
-    assert state == len(summary.replaced) * (TAPS - 1) * reader.fields[f"{family}.embedding_length"].contents() * 4
+    assert state == len(summary.replaced) * (TAPS - 1) * reader.fields[f"{arch}.embedding_length"].contents() * 4
     assert summary.taps_state_bytes == state and human_bytes(state) in summary.table()
 
     from transformers import AutoModelForCausalLM
@@ -261,9 +266,13 @@ def test_convert_taps_runs_in_llama_cpp_as_in_pytorch(family, tmp_path, calibrat
     assert [i for i, t in enumerate(types) if t == nbl_format.TAPS] == auto.replaced == summary.replaced
 
 
-def test_taps_are_refused_for_a_graph_without_them(tmp_path):
+def test_taps_are_refused_for_a_graph_without_them(tmp_path, monkeypatch):
+    """Every NBL architecture builds taps layers today (patch 0021); one that joins without them is left out
+    of TAPS_ARCHITECTURES, and --taps K for its model is refused before any work, nothing written."""
     from nbl_gguf.commands.convert import convert
+    from nbl_gguf.gguf import nbl_format
 
+    monkeypatch.setattr(nbl_format, "TAPS_ARCHITECTURES", ("llama", "qwen2"))
     folder = family_folder(tmp_path, "phi3")
     with pytest.raises(NblError, match="'phi3' model; use --taps 1"):
         convert(convert_args(model=str(folder), taps=4, output=str(tmp_path / "x.gguf")))
@@ -273,7 +282,7 @@ def test_taps_are_refused_for_a_graph_without_them(tmp_path):
 @pytest.mark.parametrize("family, runtime, method, hidden, device, expected", [
     ("llama", "nbl", "attn-nbl", 576, "cpu", DEFAULT_TAPS), ("qwen2", "nbl", "attn-nbl", 896, "cpu", DEFAULT_TAPS),
     ("llama", "stock", "attn-nbl", 576, "cpu", 1), ("llama", "nbl", "attn-drop", 576, "cpu", 1),
-    ("phi3", "nbl", "attn-nbl", 576, "cpu", 1),
+    ("phi3", "nbl", "attn-nbl", 576, "cpu", DEFAULT_TAPS), ("gemma3_text", "nbl", "attn-nbl", 640, "cpu", DEFAULT_TAPS),
     # an 8B width: its taps fit is too dear for a CPU (minutes and ~10 GB a layer), not for a GPU
     ("llama", "nbl", "attn-nbl", 4096, "cpu", 1), ("llama", "nbl", "attn-nbl", 4096, "cuda", DEFAULT_TAPS)])
 def test_taps_auto_is_the_default_where_the_file_can_carry_taps_layers(family, runtime, method, hidden, device, expected,

@@ -19,7 +19,7 @@ from _llama_context import Context
 
 from nbl_gguf import kv_cache
 from nbl_gguf.architectures import ARCHITECTURES
-from nbl_gguf.fixtures.tiny import random_linear
+from nbl_gguf.fixtures.tiny import random_linear, random_taps
 from nbl_gguf.gguf import metadata
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.llamacpp import library
@@ -31,7 +31,7 @@ pytestmark = [
                        reason="needs the patched llama.cpp build (scripts/build_llama.sh)"),
 ]
 
-A, L = nbl_format.ATTENTION, nbl_format.LINEAR
+A, L, T = nbl_format.ATTENTION, nbl_format.LINEAR, nbl_format.TAPS
 # the HF families converted to a window architecture other than llama (whose graph test_llama_window checks)
 WINDOW_FAMILIES = sorted(family for family, (_, _, arch, _) in FAMILIES.items()
                          if arch in nbl_format.WINDOW_ARCHITECTURES and arch != "llama")
@@ -66,21 +66,21 @@ def spm():
 
 
 class Reference:
-    """The family's HF model in float64, layer 1 replaced by the NBL map, some layers given windows."""
+    """The family's HF model in float64, layer 1 replaced by the NBL (or taps) map, some layers given windows."""
 
-    def __init__(self, model_dir, maps):
-        self.model_dir, self.maps, self.models = model_dir, maps, {}
+    def __init__(self, model_dir, maps, types=TYPES):
+        self.model_dir, self.maps, self.types, self.models = model_dir, maps, types, {}
 
     def _model(self, windows):
         import torch
         from transformers import AutoModelForCausalLM
 
-        from nbl_gguf.calibration.apply import ATTN_LINEAR, ATTN_WINDOW, apply_nbl
+        from nbl_gguf.calibration.apply import ATTN_LINEAR, ATTN_TAPS, ATTN_WINDOW, apply_nbl
 
         key = None if windows is None else (windows.layers, windows.size, windows.sinks)
         if key not in self.models:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float64).eval()
-            types = {i: ATTN_LINEAR for i, t in enumerate(TYPES) if t == L}
+            types = {i: {L: ATTN_LINEAR, T: ATTN_TAPS}[t] for i, t in enumerate(self.types) if t in (L, T)}
             maps = dict(self.maps)
             if windows is not None:
                 types.update({i: ATTN_WINDOW for i in windows.layers})
@@ -98,20 +98,24 @@ class Reference:
 @pytest.fixture(scope="module", params=WINDOW_FAMILIES)
 def family_window_model(request, spm, tmp_path_factory):
     """(family, HF reference, stock GGUF, the NBL GGUF with window layers)."""
+    family = request.param
+    maps = random_linear(HIDDEN, [i for i, t in enumerate(TYPES) if t == L], seed=5)
+    model_dir, stock, path = family_files(family, spm, tmp_path_factory.mktemp(family),
+                                          nbl_format.NblLayers(types=TYPES, linear=maps, windows=WINDOWS))
+    return family, Reference(model_dir, maps), stock, path
+
+
+def family_files(family, spm, root, layers: nbl_format.NblLayers):
+    """(the family's tiny HF folder, its stock GGUF, the NBL GGUF of ``layers``)."""
     from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
 
-    family = request.param
-    root = tmp_path_factory.mktemp(family)
     # a training context that holds the prompt; Phi-3 with its own window, as Phi-3-mini's config has it
     overrides = {"max_position_embeddings": N_CTX}
     if family == "phi3":
         overrides.update(original_max_position_embeddings=N_CTX, sliding_window=PHI3_OWN_WINDOW)
     model_dir = tiny_family_model(family, root, spm, **overrides)
     stock = convert_hf_to_gguf(model_dir, root / "stock.gguf", "f32")
-    maps = random_linear(HIDDEN, [i for i, t in enumerate(TYPES) if t == L], seed=5)
-    path = nbl_format.write_nbl_gguf(stock, root / "window.gguf",
-                                     nbl_format.NblLayers(types=TYPES, linear=maps, windows=WINDOWS))
-    return family, Reference(model_dir, maps), stock, path
+    return model_dir, stock, nbl_format.write_nbl_gguf(stock, root / "window.gguf", layers)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -168,6 +172,28 @@ def test_two_sequences_in_one_batch(family_window_model):
         got_a, got_b = ctx.interleaved(a, b)
         assert error(got_a, reference.logits(a)) < TOLERANCE
         assert error(got_b, reference.logits(b)) < TOLERANCE
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
+def test_a_taps_layer_beside_window_layers_matches_the_reference(family, spm, tmp_path):
+    """Patch 0021: the taps layer's state in the hybrid iSWA memory beside the two caches of the window and the
+    global layers (patch 0017), carried from ubatch to ubatch of the long prompt and then token by token."""
+    types = [A, T, A, A]
+    maps = random_taps(HIDDEN, [1], 3, seed=6)
+    model_dir, _, path = family_files(family, spm, tmp_path, nbl_format.NblLayers(types=types, taps=maps,
+                                                                                 windows=WINDOWS))
+    reference = Reference(model_dir, maps, types)
+    ids = tokens(N_PROMPT + 4, seed=9)
+    want = reference.logits(ids)
+    # the taps layer's lags show: the same layer as a per-token map (its current-token part) differs
+    per_token = Reference(model_dir, {1: (maps[1].weight, maps[1].bias)}, [A, L, A, A])
+    assert error(per_token.logits(ids), want) > 20 * TOLERANCE
+    ctx = context(path)
+    try:
+        got = np.concatenate([ctx.run(ids[:N_PROMPT]), ctx.step(ids[N_PROMPT:], start=N_PROMPT)])
+        assert error(got, want) < TOLERANCE
     finally:
         ctx.close()
 

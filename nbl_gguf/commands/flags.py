@@ -210,8 +210,8 @@ def add_taps_arguments(parser: argparse.ArgumentParser, auto: bool = False) -> N
     """--taps and --taps-rank: what replaces a chosen attention (calibrate: a count, 1 by default; convert
     also 'auto', resolved by the file it writes: from_artifact.check_taps)."""
     default = "auto" if auto else DEFAULT_TAPS
-    what = ("auto: K = 4 where the file can carry taps layers (--runtime nbl, --method attn-nbl, a llama or "
-            "qwen2 model, the layer-streamed calibration), on a CPU for n_embd up to 2048, and with more fit tokens "
+    what = ("auto: K = 4 where the file can carry taps layers (--runtime nbl, --method attn-nbl, the "
+            "layer-streamed calibration), on a CPU for n_embd up to 2048, and with more fit tokens "
             "than 4 x n_embd, else 1; with --calibration, the artifact's own"
             if auto else f"{DEFAULT_TAPS}")
     parser.add_argument("--taps", type=taps_count if auto else positive_int, default=default, metavar="K",

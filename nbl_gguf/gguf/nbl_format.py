@@ -56,8 +56,9 @@ ATTENTION_TENSOR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output
                           "post_attention_norm")
 # GGUF architectures whose graph the patched llama.cpp builds with NBL layers (llm_arch_supports_nbl)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
-# those whose graph also builds taps layers (llm_arch_supports_nbl_taps)
-TAPS_ARCHITECTURES = ("llama", "qwen2")
+# those whose graph also builds taps layers (llm_arch_supports_nbl_taps): all of them since patch 0021; an
+# architecture that joins the NBL ones without its graph passing the taps state stays out of this list
+TAPS_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
 # those whose loader reads the window layers of a file and whose graph builds them with the iSWA cache
 # (patches 0016, 0018, 0019; gemma2 and gemma3 have sliding windows of their own, which the file's keys
 # already set)
