@@ -68,10 +68,11 @@ def test_seeds_cover_every_architecture_and_layer_type(seeds):
         reader = gguf.GGUFReader(path)
         arch = str(reader.fields["general.architecture"].contents())
         architectures.add(arch)
-        types.update(nbl_format.read_layer_types(reader) or [])
+        layer_types = nbl_format.read_layer_types(reader) or []
+        types.update(layer_types)
         if nbl_format.read_windows(reader) is not None:
             windowed.add(arch)
-        if nbl_format.TAPS in (nbl_format.read_layer_types(reader) or []):
+        if nbl_format.TAPS in layer_types:
             with_taps.add(arch)
     assert architectures == set(nbl_format.SUPPORTED_ARCHITECTURES)
     assert types == set(nbl_format.LAYER_TYPE_NAMES)

@@ -341,7 +341,7 @@ def test_the_taps_architectures_are_those_the_patched_loader_admits():
 def test_taps_where_the_graph_cannot_build_them_are_refused_by_name(tmp_path, monkeypatch):
     """An architecture that joins the NBL ones without its graph passing the taps state is left out of
     TAPS_ARCHITECTURES, as of llm_arch_supports_nbl_taps(): the writer refuses a taps layer for it by name,
-    leaving nothing behind, and the loader refuses a file made anyway."""
+    leaving nothing behind. (The loader's own refusal has no architecture left to be seen with.)"""
     seeds = load_make_seeds()
     stock = seeds.write_seed(tmp_path / "qwen3.gguf", "qwen3", seeds.Seed("qwen3", None))
     taps = TinyLlama(n_layer=3, n_embd=seeds.N_EMBD).random_taps([1], 3)
