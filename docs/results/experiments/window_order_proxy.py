@@ -10,11 +10,14 @@ tries them in that order, each trial again from its layer to the last. Here, on 
 
 The orders compared: end to end (convert's), local text, and local text with the layers whose probe error
 is above the median put last. For each: the walk with the same probes and tolerance (its trials and time),
-the chosen set's loss on the second half of the texts together, and the walk's answer loss.
+the chosen set's loss on the second half of the texts together, and the walk's answer loss (``answer_loss``: of
+the layers it kept, not of those it refused and the choice filled in). ``local_s`` times both local passes; the
+local text order needs only the first.
 
     python docs/results/experiments/window_order_proxy.py MODEL.gguf [COUNT] > out.json
 """
 import json
+import math
 import sys
 import time
 
@@ -107,7 +110,7 @@ def main():
                               "kept": guard.kept, "refused": guard.refused, "chosen": chosen,
                               "answer_loss": guard.loss, "base_answer_loss": guard.base_loss,
                               "text_loss": together, "base_text_loss": losses[0],
-                              "text_increase_pct": 100 * (torch.tensor(together - losses[0]).exp().item() - 1)}
+                              "text_increase_pct": 100 * (math.exp(together - losses[0]) - 1)}
         print(name, json.dumps({k: v for k, v in out["walks"][name].items() if k != "order"}), file=sys.stderr,
               flush=True)
     print(json.dumps(out, indent=1))
