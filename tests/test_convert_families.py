@@ -218,6 +218,7 @@ def test_window_layers_logits_match_pytorch(family, m, tmp_path):
     walk = summary.windows["retrieval"]  # the retrieval probes' walk (--window-retrieval's default)
     assert set(walk["kept"]) <= set(windows.layers) and len(walk["kept"]) + len(walk["refused"]) >= 2
     assert "retrieval: 6 facts hidden" in summary.table()
+    assert summary.windows["ranking"] == "loss" and "chosen by the perplexity each costs alone" in summary.table()
 
     types = artifact.layer_types(m, "cca", "attn-nbl") if m else [0] * N_LAYER
     assert len(summary.replaced) == m

@@ -1,7 +1,7 @@
 """Window layers in PyTorch and their measured choice: apply.WindowAttention against the float64
 reference forward of the tiny model with the same masks (whole sequence and a KV cache continued token
 by token), and calibration.windows.choose_windows (layer-streamed) against the whole model run once per
-candidate, with and without NBL layers replaced before it."""
+candidate, with and without NBL layers replaced before it, by each of its rankings."""
 
 from __future__ import annotations
 
@@ -120,6 +120,7 @@ def test_choice_equals_the_whole_model_measured_per_candidate(stream_and_model, 
     linear = {i: ((0.1 * rng.standard_normal((32, 32))).astype(np.float32), (0.1 * rng.standard_normal(32)).astype(np.float32))
               for i in replaced}
     choice = choose_windows(stream, ids, 2, window, replaced=replaced, maps=lambda layer, _type: linear[layer])
+    assert choice.ranking == "loss" and not choice.local_errors
 
     base = whole_model_loss(model, ids, replaced, linear)
     pool = [i for i in range(6) if i not in replaced]
@@ -135,6 +136,68 @@ def test_choice_equals_the_whole_model_measured_per_candidate(stream_and_model, 
     assert choice.loss == pytest.approx(together, abs=1e-5)
 
 
+def layer_io(model, ids, kinds, maps) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each decoder layer's (input, output) hidden states of the whole model with ``kinds`` replaced."""
+    import copy
+
+    variant = apply_nbl(copy.deepcopy(model), kinds, maps)
+    seen, hooks = {}, []
+    for k, layer in enumerate(variant.model.layers):
+        def hook(_module, args, kwargs, out, k=k):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            seen[k] = (hidden.detach().double(), (out[0] if isinstance(out, tuple) else out).detach().double())
+        hooks.append(layer.register_forward_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        variant(ids)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("replaced", [{}, {1: ATTN_LINEAR, 4: ATTN_LINEAR}])
+def test_the_local_ranking_equals_each_layer_windowed_in_the_whole_model(stream_and_model, replaced):
+    stream, model, ids = stream_and_model
+    window = Window(size=4, sinks=1)
+    rng = np.random.default_rng(1)
+    linear = {i: ((0.1 * rng.standard_normal((32, 32))).astype(np.float32), (0.1 * rng.standard_normal(32)).astype(np.float32))
+              for i in replaced}
+    choice = choose_windows(stream, ids, 2, window, replaced=replaced, maps=lambda layer, _type: linear[layer],
+                            ranking="local")
+    assert choice.ranking == "local" and not choice.increases
+
+    full = layer_io(model, ids, replaced, linear)
+    half = ids.shape[1] // 2
+    pool = [i for i in range(6) if i not in replaced]
+    want = {}
+    for layer in pool:
+        windowed = layer_io(model, ids, {**replaced, layer: ATTN_WINDOW}, {**linear, layer: window})
+        assert torch.allclose(windowed[layer][0], full[layer][0], atol=1e-5)  # the same track up to the layer
+        hidden, out = full[layer]
+        want[layer] = float((windowed[layer][1] - out)[:, half:].pow(2).sum() / (out - hidden)[:, half:].pow(2).sum())
+    assert sorted(choice.local_errors) == pool
+    for layer in pool:
+        assert choice.local_errors[layer] == pytest.approx(want[layer], rel=1e-3, abs=1e-7)
+    assert max(want.values()) > 3 * min(want.values())  # the layers differ: the order means something
+    assert choice.layers == tuple(sorted(sorted(pool, key=lambda i: want[i])[:2]))
+    assert choice.order == sorted(pool, key=lambda i: (want[i], i))
+    base = whole_model_loss(model, ids, replaced, linear)
+    together = whole_model_loss(model, ids, {**replaced, **{i: ATTN_WINDOW for i in choice.layers}},
+                                {**linear, **{i: window for i in choice.layers}})
+    assert choice.base_loss == pytest.approx(base, abs=1e-5)
+    assert choice.loss == pytest.approx(together, abs=1e-5)
+    assert choice.report()["ranking"] == "local" and "increases" not in choice.report()
+    from pathlib import Path
+
+    from nbl_gguf.commands.convert_summary import Summary
+
+    line = Summary(model="tiny", quant="F32", method="attn-nbl", criterion="best", n_layer=6, replaced=sorted(replaced),
+                   scores=None, stock_bytes=1, nbl_bytes=1, kv={}, output=Path("tiny.gguf"),
+                   windows=choice.report()).window_lines()[0]
+    errors = ", ".join(f"{layer}: {choice.local_errors[layer]:.1%}" for layer in choice.layers)  # the figures: above
+    assert f"chosen by each one's error on its own layer's output ({errors}) and together " \
+           f"{np.expm1(choice.loss - choice.base_loss):+.1%}" in line
+
+
 def test_bad_choices_are_refused_by_name(stream_and_model):
     stream, _, ids = stream_and_model
     with pytest.raises(NblError, match="7 window layers asked of 6"):
@@ -143,6 +206,8 @@ def test_bad_choices_are_refused_by_name(stream_and_model):
         choose_windows(stream, ids, 1, Window(48, 2))
     with pytest.raises(NblError, match="are replaced layers"):
         choose_windows(stream, ids, 1, Window(8, 2), replaced={1: ATTN_LINEAR}, candidates=[1, 2])
+    with pytest.raises(NblError, match="window ranking 'cosine': one of local, loss"):
+        choose_windows(stream, ids, 1, Window(8, 2), ranking="cosine")
     with pytest.raises(NblError, match="a window of 0 tokens"):
         Window(0, 2)
 

@@ -578,7 +578,8 @@ def window_layers(args, source, layers, ctx: int, count: int | None = None, size
     window = Window(args.window_size if size is None else size, args.window_sinks)
     guard = {} if args.window_retrieval is None else \
         {"probes": retrieval_probes(stream.tokenizer, ids, window), "tolerance": args.window_retrieval}
-    choice = choose_windows(stream, ids, count, window, replaced=replaced, maps=maps, **guard)
+    choice = choose_windows(stream, ids, count, window, replaced=replaced, maps=maps, ranking=args.window_ranking,
+                            **guard)
     if recall_of and choice.retrieval is not None:
         recall_of = min(recall_of, len(choice.retrieval.kept))
     if recall_of and recall_of > 1:

@@ -116,11 +116,15 @@ class Summary:
         w = self.windows
         line = (f"  window layers: {len(w['layers'])} ({', '.join(map(str, w['layers']))}) attend to the last "
                 f"{w['size']:,} tokens and the first {w['sinks']}")
-        if "increases" in w:  # --windows: the measured choice
-            alone = ", ".join(f"{layer}: {math.expm1(w['increases'][str(layer)]):+.1%}" for layer in w["layers"])
-            line += (f"; chosen by the perplexity each costs alone ({alone}) and together "
-                     f"{math.expm1(w['loss'] - w['base_loss']):+.1%}, on the second half of {w['texts']} selection "
-                     f"texts of {w['ctx']:,} tokens")
+        if "loss" in w:  # --windows: the measured choice
+            if "increases" in w:
+                alone = ", ".join(f"{layer}: {math.expm1(w['increases'][str(layer)]):+.1%}" for layer in w["layers"])
+                how = f"the perplexity each costs alone ({alone})"
+            else:
+                alone = ", ".join(f"{layer}: {w['local_errors'][str(layer)]:.1%}" for layer in w["layers"])
+                how = f"each one's error on its own layer's output ({alone})"
+            line += (f"; chosen by {how} and together {math.expm1(w['loss'] - w['base_loss']):+.1%}, on the second "
+                     f"half of {w['texts']} selection texts of {w['ctx']:,} tokens")
         lines = [line]
         if "retrieval" in w:
             r = w["retrieval"]

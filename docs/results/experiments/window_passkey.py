@@ -43,8 +43,8 @@ def main() -> int:
     arch = str(reader.fields["general.architecture"].contents())
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
     choice = json.loads(args.choice.read_text())
-    increases = {int(k): v for k, v in choice["increases"].items()}
-    order = sorted(increases, key=lambda i: (increases[i], i)) if args.by_text else choice["order"]
+    costs = {int(k): v for k, v in (choice.get("increases") or choice["local_errors"]).items()}
+    order = sorted(costs, key=lambda i: (costs[i], i)) if args.by_text else choice["order"]
     name = f"{args.choice.name}{', by text' if args.by_text else ''}"
     lengths = tuple(int(n) for n in args.ctx.split(","))
     depths = tuple(float(d) for d in args.depths.split(","))
