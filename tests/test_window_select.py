@@ -112,13 +112,17 @@ def whole_model_loss(model, ids, kinds, maps) -> float:
     return float(nll.mean())
 
 
+def random_maps(replaced) -> dict:
+    """Random (W, b) maps of the tiny model's width for the layers of ``replaced``."""
+    rng = np.random.default_rng(1)
+    return {i: ((0.1 * rng.standard_normal((32, 32))).astype(np.float32), (0.1 * rng.standard_normal(32)).astype(np.float32))
+            for i in replaced}
+
+
 @pytest.mark.parametrize("replaced", [{}, {1: ATTN_LINEAR, 4: ATTN_LINEAR}])
 def test_choice_equals_the_whole_model_measured_per_candidate(stream_and_model, replaced):
     stream, model, ids = stream_and_model
-    window = Window(size=4, sinks=1)
-    rng = np.random.default_rng(1)
-    linear = {i: ((0.1 * rng.standard_normal((32, 32))).astype(np.float32), (0.1 * rng.standard_normal(32)).astype(np.float32))
-              for i in replaced}
+    window, linear = Window(size=4, sinks=1), random_maps(replaced)
     choice = choose_windows(stream, ids, 2, window, replaced=replaced, maps=lambda layer, _type: linear[layer])
     assert choice.ranking == "loss" and not choice.local_errors
 
@@ -157,10 +161,7 @@ def layer_io(model, ids, kinds, maps) -> dict[int, tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize("replaced", [{}, {1: ATTN_LINEAR, 4: ATTN_LINEAR}])
 def test_the_local_ranking_equals_each_layer_windowed_in_the_whole_model(stream_and_model, replaced):
     stream, model, ids = stream_and_model
-    window = Window(size=4, sinks=1)
-    rng = np.random.default_rng(1)
-    linear = {i: ((0.1 * rng.standard_normal((32, 32))).astype(np.float32), (0.1 * rng.standard_normal(32)).astype(np.float32))
-              for i in replaced}
+    window, linear = Window(size=4, sinks=1), random_maps(replaced)
     choice = choose_windows(stream, ids, 2, window, replaced=replaced, maps=lambda layer, _type: linear[layer],
                             ranking="local")
     assert choice.ranking == "local" and not choice.increases
