@@ -586,7 +586,6 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
     from tqdm import tqdm
 
     from nbl_gguf.calibration.apply import ATTN_TAPS, replace_layer
-    from nbl_gguf.calibration.stream import batches
 
     log = log or (lambda text: print(text, file=sys.stderr))
     started = time.perf_counter()
@@ -601,11 +600,7 @@ def refine_streamed(stream, layers: list[int], layer_type: int, maps: dict, piec
         losses = saved["losses"]
         log(f"refine: resuming at layer {first} (state {state.folder})")
     else:
-        stream.prepare_embedding(chosen)
-        try:
-            hidden = torch.cat([stream.embed(chosen[a:b]) for a, b in batches(chosen.shape[0], 1)])
-        finally:
-            stream.release_embedding()
+        hidden = stream.embed_all(chosen)
         first, refined_maps, losses = 0, {}, {}
         teacher = hidden.clone() if settings.target == "trajectory" else None
 

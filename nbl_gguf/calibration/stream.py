@@ -252,6 +252,15 @@ class LayerStream:
                                 torch.empty((0, param.shape[1]), dtype=self.dtype, device="meta"))
         self._embedding_rows = None
 
+    def embed_all(self, ids: torch.Tensor, batch_size: int = 1) -> torch.Tensor:
+        """embed() of windows ``ids`` [n, seqlen], ``batch_size`` at a time, with only their embedding rows
+        read (prepare_embedding) and released after."""
+        self.prepare_embedding(ids)
+        try:
+            return torch.cat([self.embed(ids[start:stop]) for start, stop in batches(ids.shape[0], batch_size)])
+        finally:
+            self.release_embedding()
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The input of layer 0 for token windows ``ids`` [batch, seqlen] (embedding, and any scaling
         the model's forward applies before its first layer)."""

@@ -26,11 +26,7 @@ def run_variants(stream: LayerStream, ids: torch.Tensor, variants: list[dict[int
     empty = frozenset()
     tracks: dict[frozenset, torch.Tensor] = {}
     if base_input is None:
-        stream.prepare_embedding(ids)
-        try:
-            tracks[empty] = torch.cat([stream.embed(ids[start:stop]) for start, stop in batches(shape[0], batch_size)])
-        finally:
-            stream.release_embedding()
+        tracks[empty] = stream.embed_all(ids, batch_size)
         first = 0
     else:
         first = min((layer for key in keys for layer, _ in key), default=stream.num_layers)

@@ -271,11 +271,7 @@ def local_window_errors(stream, ids: torch.Tensor, pool: Sequence[int], replaced
     the loss scores as a cost (the ``loss`` ranking sees both; the module's docstring)."""
     from nbl_gguf.calibration.variants import layer_output
 
-    stream.prepare_embedding(ids)
-    try:
-        hidden = torch.cat([stream.embed(ids[i:i + 1]) for i in range(ids.shape[0])])
-    finally:
-        stream.release_embedding()
+    hidden = stream.embed_all(ids)
     half = ids.shape[1] // 2
     errors = {}
     for k in range(stream.num_layers):
@@ -325,11 +321,7 @@ def guarded_walk(stream, probes: RetrievalProbes, order: Sequence[int], count: i
                 held[k + 1] = hidden
         return held
 
-    stream.prepare_embedding(probes.ids)
-    try:
-        start = {0: torch.cat([stream.embed(probes.ids[i:i + 1]) for i in range(probes.ids.shape[0])])}
-    finally:
-        stream.release_embedding()
+    start = {0: stream.embed_all(probes.ids)}
     variant = dict(replaced)
     track = run(start, 0, variant)
     guard = RetrievalGuard(int(probes.ids.shape[0]), probes.distances, tolerance,
