@@ -234,3 +234,62 @@ def test_window_layers_logits_match_pytorch(family, m, tmp_path):
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= TOLERANCE * scale
     assert np.abs(want_full - want).max() > 20 * TOLERANCE * scale  # the windows show in the logits
+
+
+@pytest.mark.parametrize("family", ["qwen2"], indirect=True)
+def test_window_layers_alone_run_no_calibration(family, tmp_path, monkeypatch):
+    """convert --m 0 --windows N fits no map, so it calibrates nothing: the file is the one the same convert
+    makes when handed a calibration (the same window layers, every tensor and the layer types to the byte),
+    and it records the model and the tools it was made with, not a calibration's data."""
+    import gguf
+
+    from nbl_gguf.calibration import calibrate as calibrate_module
+    from nbl_gguf.commands.convert import convert
+
+    name, model_dir, artifact_dir, _ = family
+    options = dict(model=str(model_dir), m=0, quant="f32", windows=2, window_size=8, window_sinks=2, window_ctx=128)
+    given = convert(convert_args(**options, calibration=str(artifact_dir), output=str(tmp_path / "given.gguf")))
+
+    def no_calibration(*_args, **_kwargs):
+        raise AssertionError("a window-only convert calibrated")
+
+    monkeypatch.setattr(calibrate_module, "calibrate", no_calibration)
+    alone = convert(convert_args(**options, output=str(tmp_path / "alone.gguf")))
+    assert not any(stage.startswith("calibrate") or stage == "load calibration" for stage in alone.resources)
+    assert alone.windows["layers"] == given.windows["layers"] and len(alone.windows["layers"]) == 2
+    assert alone.replaced == given.replaced == []
+
+    readers = {path: gguf.GGUFReader(tmp_path / path) for path in ("alone.gguf", "given.gguf")}
+    tensors = {path: {t.name: bytes(t.data.tobytes()) for t in reader.tensors} for path, reader in readers.items()}
+    assert tensors["alone.gguf"] == tensors["given.gguf"]
+    for reader in readers.values():
+        assert nbl_format.read_layer_types(reader) == [nbl_format.ATTENTION] * N_LAYER
+    assert nbl_format.read_windows(readers["alone.gguf"]) == nbl_format.read_windows(readers["given.gguf"])
+    record = json.loads(str(readers["alone.gguf"].fields[nbl_format.CALIBRATION_KEY].contents()))
+    assert record["model"] == model_dir.name and record["versions"]["nbl_gguf"]
+    assert not {"dataset", "nsamples", "tokens", "selection"} & set(record)
+    from nbl_gguf.gguf.inspect import describe, format_text
+
+    text = format_text(describe(tmp_path / "alone.gguf"))
+    assert f"0 of {N_LAYER} attention layers replaced" in text and "windows:       2 layers" in text
+    assert f"calibration:   model      {model_dir.name}\n" in text
+    assert "scores:" not in text and "method:" not in text  # no map: nothing was scored or chosen by a method
+
+
+@pytest.mark.parametrize("family", ["qwen2"], indirect=True)
+@pytest.mark.parametrize("extra, message", [
+    ({}, "--m 0 replaces no layer: give --windows N"),
+    ({"windows": 2, "refine": True}, "--refine tunes the maps of the replaced layers, and --m 0 replaces none"),
+    ({"windows": 2, "save_calibration": "cal"}, "--m 0 with window layers alone runs no calibration"),
+])
+def test_m_0_without_a_layer_to_change_is_refused(family, extra, message, tmp_path):
+    from nbl_gguf.commands.convert import convert
+
+    _, model_dir, _, _ = family
+    output = tmp_path / "out.gguf"
+    if "save_calibration" in extra:
+        extra = extra | {"save_calibration": str(tmp_path / extra["save_calibration"])}
+    with pytest.raises(NblError, match=message):
+        convert(convert_args(model=str(model_dir), m=0, quant="f32", window_size=8, window_ctx=128, output=str(output),
+                             **extra))
+    assert not output.exists() and list(tmp_path.iterdir()) == []

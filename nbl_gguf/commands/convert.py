@@ -31,7 +31,8 @@ from nbl_gguf.commands.convert_summary import Summary, resources_table
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf.from_artifact import (RUNTIMES, LayerChoice, TapsRequest, check_method, check_stock_runtime,
                                          check_taps, chosen_layers, gguf_notes, linear_map, provenance,
-                                         recorded_scores, taps_maps, uses_refined, weight_notes, writer)
+                                         recorded_scores, source_provenance, taps_maps, uses_refined, weight_notes,
+                                         writer)
 from nbl_gguf.gguf.quantize import FLOAT_TYPES, check_quant
 from nbl_gguf.outputs import check_output_dir, check_output_file
 from nbl_gguf.usage import StageMeter, peak_rss_bytes
@@ -196,7 +197,8 @@ def heldout_perplexities(stock: Path, nbl: Path, tmp: Path, args, kv_type: str =
 
 
 def imatrix_context(artifact) -> int:
-    seqlen = int(artifact.report.get("data", {}).get("seqlen") or 512)
+    """llama-imatrix's context: the calibration's window length, at most 512 (512 without a calibration)."""
+    seqlen = int((artifact.report.get("data", {}).get("seqlen") if artifact is not None else None) or 512)
     return max(32, min(512, seqlen))
 
 
@@ -290,6 +292,18 @@ def convert(args) -> Summary:
     if m is not None and not 0 <= m <= n_layer:
         raise NblError(f"--m {m} is out of range: {source.name} has {n_layer} layers")
     flags.check_calibration(args.calibration)
+    # a file whose only change is window layers fits no map: it needs no calibration (on SmolLM2 that was 251 s
+    # of a 21-minute `--m 0 --windows 15`, the fit of every layer's map, none of them used)
+    calibrating = not args.calibration and not (m == 0 and budget is None)
+    if m == 0 and budget is None:
+        if not args.windows:
+            raise NblError("--m 0 replaces no layer: give --windows N (window layers alone) or --kv-budget, or the "
+                           "output would be the stock file as it is")
+        if args.refine:
+            raise NblError("--refine tunes the maps of the replaced layers, and --m 0 replaces none")
+        if args.save_calibration:
+            raise NblError(f"--save-calibration {args.save_calibration}: --m 0 with window layers alone runs no "
+                           f"calibration (no map is fitted)")
     if args.eval_chunks < 1:
         raise NblError(f"--eval-chunks must be at least 1, got {args.eval_chunks}")
     model = source.gguf.path if source.gguf is not None else source.hf_folder()  # what calibrate's --model takes
@@ -300,7 +314,7 @@ def convert(args) -> Summary:
         check_refine(args, method)
         refine_plan = planned(source, calibration_settings(args, output.parent, model, taps), flags.refine_settings(args))
 
-    steps = ["calibrate" if not args.calibration else "load calibration"]
+    steps = ["calibrate"] if calibrating else ["load calibration"] if args.calibration else []
     if source.gguf is None and args.stock_gguf is None:
         steps.append("stock conversion")
         if quant not in FLOAT_TYPES:
@@ -325,24 +339,26 @@ def convert(args) -> Summary:
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.work-", dir=output.parent) as tmp:
         tmp = Path(tmp)
         # 1. calibration
-        with stage(steps[0]):
-            if args.calibration:
-                artifact = load_artifact(args.calibration)
-            else:
-                target = Path(args.save_calibration) if args.save_calibration else tmp / "calibration"
-                artifact = load_artifact(calibrate(calibration_settings(args, target, model, taps)))
-                print(describe_artifact(artifact))
-            if args.calibration and args.taps == "auto":
-                taps = artifact.taps
-            if artifact.num_layers != n_layer:
-                raise NblError(f"the calibration has {artifact.num_layers} layers but {source.name} has {n_layer}: "
-                               f"it was made for another model")
-            artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
-            if artifact_hidden is not None and int(artifact_hidden) != hidden:
-                raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
-            if budget is None:
-                artifact = measure_best(artifact, args, source, method, n_layer, taps, meter)
-            selected = chosen_layers(artifact, layer_choice(args), method, n_layer, taps)
+        artifact, selected = None, []
+        if calibrating or args.calibration:
+            with stage(steps[0]):
+                if args.calibration:
+                    artifact = load_artifact(args.calibration)
+                else:
+                    target = Path(args.save_calibration) if args.save_calibration else tmp / "calibration"
+                    artifact = load_artifact(calibrate(calibration_settings(args, target, model, taps)))
+                    print(describe_artifact(artifact))
+                if args.calibration and args.taps == "auto":
+                    taps = artifact.taps
+                if artifact.num_layers != n_layer:
+                    raise NblError(f"the calibration has {artifact.num_layers} layers but {source.name} has "
+                                   f"{n_layer}: it was made for another model")
+                artifact_hidden = artifact.report.get("model", {}).get("hidden_size")
+                if artifact_hidden is not None and int(artifact_hidden) != hidden:
+                    raise NblError(f"the calibration is for hidden size {artifact_hidden}, {source.name} has {hidden}")
+                if budget is None:
+                    artifact = measure_best(artifact, args, source, method, n_layer, taps, meter)
+                selected = chosen_layers(artifact, layer_choice(args), method, n_layer, taps)
         if args.refine:
             # 1a. the chosen layers' maps tuned against the model's output, added to the artifact (unless it
             # holds them already)
@@ -352,8 +368,13 @@ def convert(args) -> Summary:
                 if selected and not artifact.refined_for(selected, taps):
                     artifact = refine_artifact(artifact, source, calibration_settings(args, artifact.path, model, taps),
                                                selected, refine_plan, taps=taps)
-        layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
-        if not args.calibration:
+        if artifact is not None:
+            layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
+        else:
+            layers = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer, method=method,
+                                          criterion=args.criterion,
+                                          calibration=source_provenance(Path(source.name), source.gguf))
+        if calibrating:
             # the calibration's own stages, measured inside it (layers, selection, ...)
             meter.merge(artifact.report.get("resources", {}), prefix="calibrate: ")
         windows = None
@@ -436,7 +457,8 @@ def convert(args) -> Summary:
             notes.append(describe_refine(artifact.report["refine"]))
         return Summary(heldout=heldout, notes=notes,
             # attn-taps where the maps read past tokens: what nbl.method says
-            model=artifact.report.get("model", {}).get("name") or source.name, quant=quant, method=layers.method,
+            model=(artifact.report.get("model", {}).get("name") if artifact is not None else None) or source.name,
+            quant=quant, method=layers.method,
             criterion=args.criterion, n_layer=n_layer, replaced=selected,
             scores=layers.scores if layers.scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,

@@ -252,7 +252,6 @@ def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=
     whose measured selection, if any, it records; ``gguf``: the GGUF file (model_source.GgufFile) the NBL file
     was made from, by name and sha256; ``refined``: the maps are the artifact's refined ones (what was refined,
     and how far it moved)."""
-    from nbl_gguf import __version__
     from nbl_gguf.calibration.dataset import FILE_SUFFIXES
 
     report = artifact.report
@@ -274,12 +273,25 @@ def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=
         "documents": data.get("documents"),
         "text_sha256": data.get("sha256"),
         "seed": data.get("seed"),
-        "versions": {**report.get("versions", {}), "nbl_gguf": __version__, "gguf": _gguf_py_version(),
-                     "llama.cpp": llama_cpp_commit(), "llama.cpp patches": llama_cpp_patches_sha256()},
+        "versions": {**report.get("versions", {}), **_tool_versions()},
         **_measured_selection(artifact, layers, method, taps),
         **({"source_gguf": gguf.provenance()} if gguf is not None else {}),
         **({"refine": _refine_record(report["refine"])} if refined else {}),
     }
+
+
+def source_provenance(model_dir: Path, gguf=None) -> dict:
+    """What a file made without a calibration records (window layers alone: no map was fitted): the model,
+    the tools' versions, and the GGUF it was made from (by name and sha256), as provenance() records them."""
+    return {"model": model_dir.name, "versions": _tool_versions(),
+            **({"source_gguf": gguf.provenance()} if gguf is not None else {})}
+
+
+def _tool_versions() -> dict:
+    from nbl_gguf import __version__
+
+    return {"nbl_gguf": __version__, "gguf": _gguf_py_version(), "llama.cpp": llama_cpp_commit(),
+            "llama.cpp patches": llama_cpp_patches_sha256()}
 
 
 def _refine_record(refine: dict) -> dict:

@@ -349,9 +349,11 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
         if windows is not None:
             out.append(f"windows:       {len(windows['layers'])} layers attend to the last {windows['size']:,} tokens and "
                        f"the first {windows['sinks']} (sinks): layers {', '.join(map(str, windows['layers']))}")
-        out.append(f"method:        {info['method'] or '?'}    criterion: {info['criterion'] or '?'}")
+        if sum(rep.values()):  # window layers alone: no map, so no method or scores to name
+            out.append(f"method:        {info['method'] or '?'}    criterion: {info['criterion'] or '?'}")
         out += calibration_lines(info["calibration"])
-        out.append(f"scores:        {scores_line(info)}")
+        if sum(rep.values()):
+            out.append(f"scores:        {scores_line(info)}")
     else:
         out.append("NBL:           none (stock GGUF: every layer keeps its attention)")
     out += kv_lines(info)
