@@ -151,6 +151,7 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
 
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.fixtures.tiny import TinyLlama
+    from nbl_gguf.gguf import nbl_format
     from nbl_gguf.measurement.llama_bench import run_llama_bench
 
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
@@ -196,9 +197,19 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     assert {t.name: (t.tensor_type, t.data.tobytes()) for t in composed.tensors} == \
         {t.name: (t.tensor_type, t.data.tobytes()) for t in knob.tensors}
     assert rows["windows 1 Q8_0"]["kv_bytes"] == rows["windows 1"]["kv_bytes"]
-    # the pruned file: llama-quantize --prune-layers of the lowest block influence
+    # one calibration: the past-token one holds the per-token maps and scores too (tests/test_calibrate_taps.py), so
+    # the per-token files are cut from it, with best measured for per-token maps at each m and recorded there
     calibration = next(Path(work).rglob("taps4/calibration"))
-    weakest = int(np.argmin(load_artifact(calibration).block_influence()))
+    assert [p.name for p in Path(work).rglob("calibration") if p.is_dir()] == ["calibration"]
+    artifact = load_artifact(calibration)
+    for m in (1, 2):
+        assert f"--calibration {calibration}" in rows[f"nbl-m{m} per-token"]["made_by"]
+        measured = artifact.measured_best(m, "attn-nbl", 1)
+        assert measured is not None and measured["taps"] == 1
+        assert nbl_format.read_layer_types(gguf.GGUFReader(rows[f"nbl-m{m} per-token"]["path"])) == \
+            [nbl_format.LINEAR if i in measured["layers"] else nbl_format.ATTENTION for i in range(4)]
+    # the pruned file: llama-quantize --prune-layers of the lowest block influence
+    weakest = int(np.argmin(artifact.block_influence()))
     pruned = gguf.GGUFReader(rows["stock prune 1 blocks"]["path"])
     assert int(pruned.fields["llama.block_count"].parts[-1][0]) == 3
     assert f"--prune-layers {weakest} " in rows["stock prune 1 blocks"]["made_by"]

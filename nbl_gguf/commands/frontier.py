@@ -8,9 +8,9 @@ The variants, each with an F16 KV cache unless named:
   has the bits for it (a HF folder or a float GGUF), one step up;
 - llama.cpp's layer pruning: `llama-quantize --prune-layers` of the N blocks ShortGPT's block influence
   (1 - cos of a block's input and output, recorded by the calibration) ranks least important;
-- ours: `convert` at each --m with past-token maps and with per-token maps (each kind of map with its own
-  calibration, whose measured selection holds for its maps only), each also with the KV types of
-  --nbl-kv-types (default q8_0 and q4_0);
+- ours: `convert` at each --m with past-token maps and with per-token maps (one calibration: a past-token one
+  holds the per-token maps too; `best` is measured at each m for each kind of map, since a selection holds for
+  its maps only), each also with the KV types of --nbl-kv-types (default q8_0 and q4_0);
 - ours, window layers: `convert --m 0 --windows N` for each --frontier-windows N (default: half the layers,
   where the patched llama.cpp runs window layers for the architecture and the training context is above
   twice the window), each also with those KV types, and once more on the weight type one step down (the same
@@ -95,7 +95,7 @@ def check_arguments(args) -> None:
                         ("--shape", args.shape is not None), ("--quick", args.quick),
                         ("--hf-compare", args.hf_compare), ("--calibration", args.calibration is not None)):
         if given:
-            why = " (it makes one calibration per kind of map)" if flag == "--calibration" else ""
+            why = " (it makes the one calibration its files are cut from)" if flag == "--calibration" else ""
             raise NblError(f"{flag} means nothing with --frontier{why}")
     if args.layers is not None:
         raise NblError("--layers means nothing with --frontier: the calibration chooses the layers")
@@ -222,20 +222,27 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
     for q, path in side.knobs.items():
         variants.append(Variant(f"stock {q}", KNOB, path, made_by=f"llama-quantize to {q}"))
 
-    nbl_args = _with(args, m=m_list, calibration=None)
-    calibrations = {}
-    for k in taps_list:
+    calibrations, by_kind = {}, {}
+    # past-token maps first: their calibration also holds the per-token maps and scores (the same fit of the same
+    # statistics, to the bit), so the per-token files are cut from it, `best` measured for their maps at each m,
+    # instead of from a calibration of their own
+    for k in sorted(taps_list, reverse=True):
         kind = f"taps{k}" if k > 1 else "per-token"
         (directory / kind).mkdir(exist_ok=True)
+        shared = calibrations[max(calibrations)] if k == 1 and calibrations else None
+        nbl_args = _with(args, m=m_list, calibration=None if shared is None else str(shared))
         nbl, commands = nbl_by_convert(nbl_args, side.convert_model, directory / kind, side.suffix,
                                        {**side.convert_extra, "taps": k, "no_eval": True}, log)
         made += commands
-        calibrations[k] = directory / kind / "calibration"
+        calibrations[k] = shared or directory / kind / "calibration"
+        by_kind[k] = []
         for m, candidate in zip(m_list, nbl):
             label = f"nbl-m{m}" + (f" taps{k}" if k > 1 else " per-token")
             command = next(c for c in commands if f" --m {m} " in c)
-            variants.append(Variant(label, NBL, candidate.path, made_by=command))
-            variants += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=command) for t in nbl_kv]
+            by_kind[k].append(Variant(label, NBL, candidate.path, made_by=command))
+            by_kind[k] += [Variant(f"{label} kv {t}", NBL, candidate.path, kv_type=t, made_by=command) for t in nbl_kv]
+    for k in taps_list:  # the table in the order asked for
+        variants += by_kind[k]
 
     # the window files again on the weight type one step down: that knob decodes fastest at depth 0, where a window
     # saves nothing; one shrinks the weights, the other the cache, so the two compose

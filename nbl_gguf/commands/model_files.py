@@ -1,5 +1,5 @@
 """The GGUFs that `bench` and `bench --frontier` make from a --model and keep under the work dir: NBL files
-by `convert` (one calibration per kind of map, reused across m), and where they live."""
+by `convert` (one calibration reused across m, and by the frontier across kinds of map), and where they live."""
 
 from __future__ import annotations
 
