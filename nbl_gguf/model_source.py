@@ -17,6 +17,7 @@ from typing import Collection
 from nbl_gguf import models
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf_header import NotGguf, read_header
+from nbl_gguf.gguf_rope import rope_scaling
 
 # nbl_format.LAYER_TYPES_KEY without its "{arch}" (that module is further down the pipeline)
 NBL_LAYER_TYPES_SUFFIX = ".nbl.layer_types"
@@ -111,6 +112,10 @@ def read_gguf(path: Path, *, runnable: Collection[str] | None = None, calibratin
             raise NblError(f"{flag} {path} is a '{arch}' model, which transformers' GGUF loader cannot read "
                            f"(it reads {', '.join(sorted(readable))}), so it cannot be calibrated from the file: "
                            f"pass its HF checkpoint instead, or a calibration made from it (--calibration)")
+        try:  # a rope scaling that transformers cannot be told would calibrate another model
+            rope_scaling(reader)
+        except NblError as error:
+            raise NblError(f"{flag} {path}: {error}") from error
     try:
         n_layer = int(reader.fields[f"{arch}.block_count"].contents())
         n_embd = int(reader.fields[f"{arch}.embedding_length"].contents())

@@ -163,17 +163,28 @@ def default_model_dir() -> Path:
 
 
 def checkpoint_from_gguf(gguf: Path, target: Path) -> Path:
-    """``target``: a plain safetensors checkpoint of the model transformers dequantizes from ``gguf``,
-    made once and reused (a folder that exists is trusted: it was checked when it was made)."""
+    """``target``: a plain safetensors checkpoint of the model transformers dequantizes from ``gguf``, with the
+    rope scaling the file asks of llama.cpp (gguf_rope: transformers' loader does not read it), made once and
+    reused (a folder that exists is trusted: it was checked when it was made; one made before the rope scaling
+    was read, whose config lacks it, is made again)."""
+    from nbl_gguf.gguf_header import read_header
+    from nbl_gguf.gguf_rope import holds_scaling, rope_scaling, with_rope_scaling
+
+    scaling = rope_scaling(read_header(gguf))
     if (target / "config.json").is_file():
-        return target
+        from transformers import AutoConfig
+
+        if holds_scaling(AutoConfig.from_pretrained(str(target)), scaling):
+            return target
+        shutil.rmtree(target)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        config = with_rope_scaling(AutoConfig.from_pretrained(folder, gguf_file=name), scaling)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
     except (ValueError, KeyError, NotImplementedError, RuntimeError, OSError) as error:
         raise NblError(f"transformers could not read the model in {gguf}: {type(error).__name__}: "
                        f"{str(error).splitlines()[0] if str(error) else ''}") from error

@@ -21,6 +21,7 @@ RANKS = {
     "nbl_gguf.models": 0,
     "nbl_gguf.model_source": 0,
     "nbl_gguf.gguf_header": 0,  # a GGUF header parsed alone (model_source reads it)
+    "nbl_gguf.gguf_rope": 0,  # a GGUF's rope scaling told to transformers (model_source, models, the stream)
     "nbl_gguf.llamacpp": 0,
     "nbl_gguf.calibration": 1,
     "nbl_gguf.gguf": 2,

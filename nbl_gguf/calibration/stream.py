@@ -128,6 +128,9 @@ def load_config_and_tokenizer(source):
 def _read_config_and_tokenizer(source):
     from transformers import AutoConfig, AutoTokenizer
 
+    from nbl_gguf.gguf_header import read_header
+    from nbl_gguf.gguf_rope import rope_scaling, with_rope_scaling
+
     if source.gguf is not None:
         folder, name = str(source.gguf.path.parent), source.gguf.path.name
         kwargs = {"gguf_file": name}
@@ -135,6 +138,8 @@ def _read_config_and_tokenizer(source):
         folder, kwargs = str(source.hf_folder()), {}
     try:
         config = AutoConfig.from_pretrained(folder, **kwargs)
+        if source.gguf is not None:  # the rope scaling the file asks of llama.cpp, which transformers does not read
+            config = with_rope_scaling(config, rope_scaling(read_header(source.gguf.path)))
         models.get_adapter(config)
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     except NblError:
