@@ -1,7 +1,7 @@
 """A GGUF's rope scaling told to transformers (nbl_gguf.gguf_rope): the llama3 numbers recovered from the
-factors against transformers' own llama3 rotation, and a Llama-3-style GGUF made by the pinned
-convert_hf_to_gguf.py (its rope_freqs.weight) against llama.cpp's logits, where transformers' own GGUF loader
-rotates differently."""
+factors against transformers' own llama3 rotation, and tiny Llamas with a llama3 or a linear scaling converted
+by the pinned convert_hf_to_gguf.py (rope_freqs.weight, or the scaling keys) against llama.cpp's logits, where
+transformers' own GGUF loader rotates differently."""
 
 from __future__ import annotations
 
@@ -90,28 +90,33 @@ needs_build = pytest.mark.skipif(not (source_dir() / "convert_hf_to_gguf.py").is
 TINY = LLAMA3["tiny"]
 
 
-@pytest.fixture(scope="module")
-def llama3_gguf(tmp_path_factory):
-    """(HF folder, F32 GGUF) of a tiny random Llama whose config has a llama3 rope scaling."""
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": TINY["factor"], "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": TINY["original"]}
+
+
+def scaled_llama_gguf(root: Path, scaling: dict) -> Path:
+    """The F32 GGUF, by the pinned convert_hf_to_gguf.py, of a tiny random Llama whose config has ``scaling``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from nbl_gguf import models
 
-    root = tmp_path_factory.mktemp("llama3")
     tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
                          tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, rope_theta=TINY["base"],
-                         rope_scaling={"rope_type": "llama3", "factor": TINY["factor"], "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": TINY["original"]})
+                         eos_token_id=tokenizer.eos_token_id, rope_theta=TINY["base"], rope_scaling=dict(scaling))
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(root / "hf")
     tokenizer.save_pretrained(root / "hf")
-    gguf_path = root / "llama3.gguf"
+    path = root / "scaled.gguf"
     subprocess.run([sys.executable, str(source_dir() / "convert_hf_to_gguf.py"), str(root / "hf"), "--outtype", "f32",
-                    "--outfile", str(gguf_path)], check=True, capture_output=True)
-    return root / "hf", gguf_path
+                    "--outfile", str(path)], check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama3_gguf(tmp_path_factory):
+    return scaled_llama_gguf(tmp_path_factory.mktemp("llama3"), LLAMA3_SCALING)
 
 
 def llama_cpp_logits(path: Path, tokens: list[int]) -> np.ndarray:
@@ -127,9 +132,11 @@ def hf_logits(model, tokens: list[int]) -> np.ndarray:
 
 
 @needs_build
-def test_a_llama3_gguf_is_calibrated_on_the_model_llama_cpp_runs(llama3_gguf, tmp_path, monkeypatch):
-    """The dequantized checkpoint, and the layer stream's rotation, of a GGUF with rope_freqs.weight: llama.cpp's
-    logits 600 tokens in, where transformers' own GGUF load (no scaling) is far off them."""
+@pytest.mark.parametrize("scaling", [LLAMA3_SCALING, {"rope_type": "linear", "factor": 4.0}], ids=["llama3", "linear"])
+def test_a_scaled_gguf_is_calibrated_on_the_model_llama_cpp_runs(scaling, tmp_path, monkeypatch):
+    """The dequantized checkpoint, and the layer stream's rotation, of a GGUF with a rope scaling (llama3's
+    rope_freqs.weight, or linear's keys): llama.cpp's logits 600 tokens in, where transformers' own GGUF load
+    (no scaling) is far off them."""
     from transformers import AutoModelForCausalLM
 
     from nbl_gguf import models
@@ -138,10 +145,8 @@ def test_a_llama3_gguf_is_calibrated_on_the_model_llama_cpp_runs(llama3_gguf, tm
     from nbl_gguf.model_source import resolve_model
 
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
-    _, gguf_path = llama3_gguf
-    scaling = rope_scaling(read_header(gguf_path))
-    assert scaling == {"rope_type": "llama3", "factor": TINY["factor"], "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                       "original_max_position_embeddings": TINY["original"]}
+    gguf_path = scaled_llama_gguf(tmp_path, scaling)
+    assert rope_scaling(read_header(gguf_path)) == scaling
     tokens = [int(t) for t in np.random.default_rng(3).integers(0, 1000, 600)]
     want = llama_cpp_logits(gguf_path, tokens)
     scale = np.abs(want).max()
@@ -151,13 +156,13 @@ def test_a_llama3_gguf_is_calibrated_on_the_model_llama_cpp_runs(llama3_gguf, tm
     assert np.abs(hf_logits(unscaled, tokens) - want).max() > 1e-4 * scale  # what the scaling is worth here
 
     source = resolve_model(str(gguf_path))
-    folder = source.hf_folder()
-    model = models.load_model(str(folder), dtype="float32", device="cpu").model.eval()
+    model = models.load_model(str(source.hf_folder()), dtype="float32", device="cpu").model.eval()
     assert np.abs(hf_logits(model, tokens) - want).max() < 1e-5 * scale
 
     # the layer stream (calibration, best, windows) rotates by llama.cpp's frequencies: base^(-2i/d) / factor_i
     stream = LayerStream(source, torch.float32, "cpu")
-    factors = llama3_factors(TINY["base"], TINY["n_dims"], TINY["factor"], 1.0, 4.0, TINY["original"])
+    factors = llama3_factors(TINY["base"], TINY["n_dims"], TINY["factor"], 1.0, 4.0, TINY["original"]) \
+        if scaling["rope_type"] == "llama3" else np.full(TINY["n_dims"] // 2, scaling["factor"])
     expected = 1.0 / (TINY["base"] ** (np.arange(0, TINY["n_dims"], 2) / TINY["n_dims"])) / factors
     np.testing.assert_allclose(stream.base.rotary_emb.inv_freq.double().numpy(), expected, rtol=1e-6)
 
@@ -174,7 +179,7 @@ def test_a_checkpoint_dequantized_without_the_scaling_is_made_again(llama3_gguf,
     from nbl_gguf.model_source import resolve_model
 
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
-    _, gguf_path = llama3_gguf
+    gguf_path = llama3_gguf
     folder = resolve_model(str(gguf_path)).hf_folder()
     config = json.loads((folder / "config.json").read_text())
     for key in ("rope_parameters", "rope_scaling"):
@@ -221,7 +226,7 @@ def test_a_rope_scaling_transformers_cannot_be_told_is_refused_by_name(llama3_gg
 
     from nbl_gguf.model_source import read_gguf
 
-    _, gguf_path = llama3_gguf
+    gguf_path = llama3_gguf
     keys = {name: (value, gguf.GGUFValueType(value_type)) for name, (value, value_type) in keys.items()}
     path = _with_keys(gguf_path, tmp_path / "other.gguf", keys, tensor)
     with pytest.raises(NblError, match=f"--model {path}: it {message}.*Calibrate from the model's HF checkpoint"):
