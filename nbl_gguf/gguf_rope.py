@@ -9,9 +9,10 @@ the model of its own config; tests/test_gguf_rope.py). Calibrating, selecting la
 it would measure that other model, most of all at long range.
 
 rope_scaling() gives the transformers rope_scaling that reproduces a GGUF's factors (llama3's four numbers,
-recomputed as convert_hf_to_gguf computes them and checked against the file's), or the linear scaling its keys
-name; it refuses, by name, a scaling that transformers would not reproduce from the file (YaRN, LongRoPE's
-factor tensors), rather than calibrate a different model. with_rope_scaling() puts it into a config.
+recomputed as convert_hf_to_gguf computes them and checked against the file's), or the linear or YaRN scaling
+its keys name; it refuses, by name, a scaling that transformers would not reproduce from the file (YaRN with
+settings of its own, LongRoPE's factor tensors), rather than calibrate a different model. with_rope_scaling()
+puts it into a config.
 """
 
 from __future__ import annotations
@@ -105,9 +106,16 @@ def rope_scaling(header) -> dict | None:
                        f"loader does not read: the model it builds would rotate unlike llama.cpp's. Calibrate from the "
                        f"model's HF checkpoint instead")
     kind = str(field("rope.scaling.type", "none")).lower()
+    factor = float(field("rope.scaling.factor", 1.0))
     if kind == "linear":
-        factor = float(field("rope.scaling.factor", 1.0))
         return None if factor == 1 else {"rope_type": "linear", "factor": factor}
+    # YaRN with llama.cpp's defaults for the rest (as Qwen2.5 asks for beyond 32K): transformers' own yarn rotation
+    # then gives llama.cpp's logits (tests/test_gguf_rope.py); a file that sets the others is refused below
+    yarn_extra = [key for key in ("ext_factor", "attn_factor", "beta_fast", "beta_slow", "log_multiplier")
+                  if field(f"rope.scaling.yarn_{key}") is not None]
+    if kind == "yarn" and not yarn_extra and field("rope.scaling.original_context_length") is not None:
+        return {"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": int(field("rope.scaling.original_context_length"))}
     if kind not in ("none", ""):
         raise NblError(f"it asks llama.cpp for {kind} rope scaling ({arch}.rope.scaling.type), which "
                        f"transformers' GGUF loader does not read: the model it builds would rotate unlike llama.cpp's. "

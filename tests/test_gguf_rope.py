@@ -1,5 +1,5 @@
 """A GGUF's rope scaling told to transformers (nbl_gguf.gguf_rope): the llama3 numbers recovered from the
-factors against transformers' own llama3 rotation, and tiny Llamas with a llama3 or a linear scaling converted
+factors against transformers' own llama3 rotation, and tiny Llamas with a llama3, a linear or a YaRN scaling converted
 by the pinned convert_hf_to_gguf.py (rope_freqs.weight, or the scaling keys) against llama.cpp's logits, where
 transformers' own GGUF loader rotates differently."""
 
@@ -132,10 +132,12 @@ def hf_logits(model, tokens: list[int]) -> np.ndarray:
 
 
 @needs_build
-@pytest.mark.parametrize("scaling", [LLAMA3_SCALING, {"rope_type": "linear", "factor": 4.0}], ids=["llama3", "linear"])
+@pytest.mark.parametrize("scaling", [LLAMA3_SCALING, {"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}],
+                         ids=["llama3", "linear", "yarn"])
 def test_a_scaled_gguf_is_calibrated_on_the_model_llama_cpp_runs(scaling, tmp_path, monkeypatch):
     """The dequantized checkpoint, and the layer stream's rotation, of a GGUF with a rope scaling (llama3's
-    rope_freqs.weight, or linear's keys): llama.cpp's logits 600 tokens in, where transformers' own GGUF load
+    rope_freqs.weight, or linear's or YaRN's keys): llama.cpp's logits 600 tokens in, where transformers' own GGUF load
     (no scaling) is far off them."""
     from transformers import AutoModelForCausalLM
 
@@ -161,6 +163,11 @@ def test_a_scaled_gguf_is_calibrated_on_the_model_llama_cpp_runs(scaling, tmp_pa
 
     # the layer stream (calibration, best, windows) rotates by llama.cpp's frequencies: base^(-2i/d) / factor_i
     stream = LayerStream(source, torch.float32, "cpu")
+    if scaling["rope_type"] == "yarn":  # its ramp of frequencies is transformers' own (the logits checked above)
+        assert stream.base.rotary_emb.rope_type == "yarn"
+        np.testing.assert_allclose(stream.base.rotary_emb.inv_freq.double().numpy(),
+                                   transformers_inv_freq(TINY["base"], TINY["n_dims"], scaling), rtol=1e-6)
+        return
     factors = llama3_factors(TINY["base"], TINY["n_dims"], TINY["factor"], 1.0, 4.0, TINY["original"]) \
         if scaling["rope_type"] == "llama3" else np.full(TINY["n_dims"] // 2, scaling["factor"])
     expected = 1.0 / (TINY["base"] ** (np.arange(0, TINY["n_dims"], 2) / TINY["n_dims"])) / factors
@@ -218,7 +225,10 @@ def _with_keys(src: Path, dst: Path, keys: dict, extra_tensor: str | None = None
 
 @needs_build
 @pytest.mark.parametrize("keys, tensor, message", [
-    ({"llama.rope.scaling.type": ("yarn", 8)}, None, "asks llama.cpp for yarn rope scaling"),
+    ({"llama.rope.scaling.type": ("yarn", 8)}, None, "asks llama.cpp for yarn rope scaling"),  # no original context
+    ({"llama.rope.scaling.type": ("yarn", 8), "llama.rope.scaling.original_context_length": (1024, 4),
+      "llama.rope.scaling.yarn_beta_fast": (16.0, 6)}, None, "asks llama.cpp for yarn rope scaling"),
+    ({"llama.rope.scaling.type": ("su", 8)}, None, "asks llama.cpp for su rope scaling"),
     ({}, "rope_factors_long.weight", "carries LongRoPE factors \\(rope_factors_long.weight\\)"),
 ])
 def test_a_rope_scaling_transformers_cannot_be_told_is_refused_by_name(llama3_gguf, tmp_path, keys, tensor, message):
