@@ -27,6 +27,7 @@ from nbl_gguf.calibration.dataset import KINDS, bundled_selection_windows
 from nbl_gguf.calibration.stream import LOSS_POSITIONS, LayerStream
 from nbl_gguf.calibration.variants import layer_output, run_variants
 from nbl_gguf.model_source import resolve_model
+from window_order_proxy import spearman  # the sibling experiment's (run from this folder's path)
 
 
 def attention_output(stream, k, hidden, layer_type, layer_map, grad):
@@ -151,12 +152,6 @@ def path_losses(model_dir, ids, layer, window, steps=(0.01, -0.01, 0.5, 1.0)):
         return hook
 
     return {eps: run(moved(eps))[0] - base for eps in steps}
-
-
-def spearman(a, b):
-    ra = torch.tensor(a).argsort().argsort().double()
-    rb = torch.tensor(b).argsort().argsort().double()
-    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
 
 
 def main():
