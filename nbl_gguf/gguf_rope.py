@@ -26,6 +26,8 @@ from nbl_gguf.errors import NblError
 ROPE_FREQS = "rope_freqs.weight"
 # LongRoPE's two factor sets (Phi-3 128K and the like): transformers' GGUF loader reads neither
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# YaRN's settings a file may carry (rope.scaling.yarn_*): llama.cpp's defaults for them are transformers' too
+YARN_SETTINGS = ("ext_factor", "attn_factor", "beta_fast", "beta_slow", "log_multiplier")
 # the factors a file carries against those recomputed from the recovered numbers (float32 in both)
 FACTOR_RTOL = 1e-5
 
@@ -111,11 +113,17 @@ def rope_scaling(header) -> dict | None:
         return None if factor == 1 else {"rope_type": "linear", "factor": factor}
     # YaRN with llama.cpp's defaults for the rest (as Qwen2.5 asks for beyond 32K): transformers' own yarn rotation
     # then gives llama.cpp's logits (tests/test_gguf_rope.py); a file that sets the others is refused below
-    yarn_extra = [key for key in ("ext_factor", "attn_factor", "beta_fast", "beta_slow", "log_multiplier")
-                  if field(f"rope.scaling.yarn_{key}") is not None]
-    if kind == "yarn" and not yarn_extra and field("rope.scaling.original_context_length") is not None:
-        return {"rope_type": "yarn", "factor": factor,
-                "original_max_position_embeddings": int(field("rope.scaling.original_context_length"))}
+    if kind == "yarn":
+        own = [f"{arch}.rope.scaling.yarn_{key}" for key in YARN_SETTINGS
+               if field(f"rope.scaling.yarn_{key}") is not None]
+        original = field("rope.scaling.original_context_length")
+        if own or original is None:
+            raise NblError(f"it asks llama.cpp for yarn rope scaling "
+                           + (f"with settings of its own ({', '.join(own)}), which transformers' GGUF loader does "
+                              f"not read" if own else f"without {arch}.rope.scaling.original_context_length")
+                           + ": the model transformers builds would rotate unlike llama.cpp's. Calibrate from the "
+                             "model's HF checkpoint instead")
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(original)}
     if kind not in ("none", ""):
         raise NblError(f"it asks llama.cpp for {kind} rope scaling ({arch}.rope.scaling.type), which "
                        f"transformers' GGUF loader does not read: the model it builds would rotate unlike llama.cpp's. "

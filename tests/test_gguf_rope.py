@@ -225,9 +225,11 @@ def _with_keys(src: Path, dst: Path, keys: dict, extra_tensor: str | None = None
 
 @needs_build
 @pytest.mark.parametrize("keys, tensor, message", [
-    ({"llama.rope.scaling.type": ("yarn", 8)}, None, "asks llama.cpp for yarn rope scaling"),  # no original context
+    ({"llama.rope.scaling.type": ("yarn", 8)}, None,
+     "asks llama.cpp for yarn rope scaling without llama.rope.scaling.original_context_length"),
     ({"llama.rope.scaling.type": ("yarn", 8), "llama.rope.scaling.original_context_length": (1024, 4),
-      "llama.rope.scaling.yarn_beta_fast": (16.0, 6)}, None, "asks llama.cpp for yarn rope scaling"),
+      "llama.rope.scaling.yarn_beta_fast": (16.0, 6)}, None,
+     "asks llama.cpp for yarn rope scaling with settings of its own \\(llama.rope.scaling.yarn_beta_fast\\)"),
     ({"llama.rope.scaling.type": ("su", 8)}, None, "asks llama.cpp for su rope scaling"),
     ({}, "rope_factors_long.weight", "carries LongRoPE factors \\(rope_factors_long.weight\\)"),
 ])
