@@ -47,3 +47,33 @@ def save_tiny_llama(path: Path, n_layer: int = 4, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def rewritten_gguf(src: Path, dst: Path, *, arch: str | None = None, keys: dict | None = None,
+                   extra_tensor: str | None = None) -> Path:
+    """``src`` copied to ``dst`` as another converter might have written it: with every '<old arch>.' key renamed
+    to '<arch>.', the ``keys`` ({name: (value, gguf value type)}) added, and a tensor ``extra_tensor`` of 8 floats."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    old = str(reader.fields["general.architecture"].contents())
+    arch = arch or old
+    writer = gguf.GGUFWriter(dst, arch=arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        key = arch + field.name[len(old):] if field.name.startswith(old + ".") else field.name
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for name, (value, value_type) in (keys or {}).items():
+        writer.add_key_value(name, value, value_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    if extra_tensor:
+        writer.add_tensor(extra_tensor, np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

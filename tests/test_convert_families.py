@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _convert_helpers import calibrate_for_convert, convert_args
+from _convert_helpers import calibrate_for_convert, convert_args, rewritten_gguf
 from _family_helpers import FAMILIES, N_LAYER, sentencepiece_model, tiny_family_model
 from nbl_gguf.gguf import nbl_format
 from nbl_gguf.errors import NblError
@@ -131,24 +131,7 @@ def test_convert_rejects_an_architecture_llama_cpp_cannot_run(tmp_path, capsys):
 
 def _as_architecture(src: Path, dst: Path, arch: str) -> Path:
     """``src`` with every '<old arch>.' key renamed to '<arch>.', as if another converter had made it."""
-    import gguf
-
-    reader = gguf.GGUFReader(src)
-    old = str(reader.fields["general.architecture"].contents())
-    writer = gguf.GGUFWriter(dst, arch=arch)
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        key = arch + field.name[len(old):] if field.name.startswith(old + ".") else field.name
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+    return rewritten_gguf(src, dst, arch=arch)
 
 
 def test_unsupported_architectures_are_named_by_writer_and_loader(tmp_path):

@@ -199,30 +199,6 @@ def test_a_checkpoint_dequantized_without_the_scaling_is_made_again(llama3_gguf,
     assert holds_scaling(AutoConfig.from_pretrained(str(again)), rope_scaling(read_header(gguf_path)))
 
 
-def _with_keys(src: Path, dst: Path, keys: dict, extra_tensor: str | None = None) -> Path:
-    """``src`` with ``keys`` ({name: (value, gguf value type)}) added, and a tensor ``extra_tensor`` of 8 floats."""
-    import gguf
-
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, arch=str(reader.fields["general.architecture"].contents()))
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
-    for name, (value, value_type) in keys.items():
-        writer.add_key_value(name, value, value_type)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    if extra_tensor:
-        writer.add_tensor(extra_tensor, np.ones(8, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
 @needs_build
 @pytest.mark.parametrize("keys, tensor, message", [
     ({"llama.rope.scaling.type": ("yarn", 8)}, None,
@@ -235,12 +211,13 @@ def _with_keys(src: Path, dst: Path, keys: dict, extra_tensor: str | None = None
 ])
 def test_a_rope_scaling_transformers_cannot_be_told_is_refused_by_name(llama3_gguf, tmp_path, keys, tensor, message):
     import gguf
+    from _convert_helpers import rewritten_gguf
 
     from nbl_gguf.model_source import read_gguf
 
     gguf_path = llama3_gguf
     keys = {name: (value, gguf.GGUFValueType(value_type)) for name, (value, value_type) in keys.items()}
-    path = _with_keys(gguf_path, tmp_path / "other.gguf", keys, tensor)
+    path = rewritten_gguf(gguf_path, tmp_path / "other.gguf", keys=keys, extra_tensor=tensor)
     with pytest.raises(NblError, match=f"--model {path}: it {message}.*Calibrate from the model's HF checkpoint"):
         read_gguf(path)
     read_gguf(path, calibrating=False)  # a file only measured or rewritten is not refused
