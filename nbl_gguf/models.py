@@ -167,18 +167,18 @@ def checkpoint_from_gguf(gguf: Path, target: Path) -> Path:
     rope scaling the file asks of llama.cpp (gguf_rope: transformers' loader does not read it), made once and
     reused (a folder that exists is trusted: it was checked when it was made; one made before the rope scaling
     was read, whose config lacks it, is made again)."""
+    from transformers import AutoConfig
+
     from nbl_gguf.gguf_header import read_header
     from nbl_gguf.gguf_rope import holds_scaling, rope_scaling, with_rope_scaling
 
     scaling = rope_scaling(read_header(gguf))
     if (target / "config.json").is_file():
-        from transformers import AutoConfig
-
         if holds_scaling(AutoConfig.from_pretrained(str(target)), scaling):
             return target
         shutil.rmtree(target)
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
     try:
