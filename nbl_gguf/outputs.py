@@ -1,10 +1,12 @@
 """Where commands write, checked before any work: a typo or a read-only folder in -o must fail in a
-second, not after a calibration. The writes themselves stay atomic (temp name, then rename)."""
+second, not after a calibration. The writes themselves stay atomic (temp name, then rename: ``atomic_write``)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from nbl_gguf.errors import NblError
@@ -51,9 +53,27 @@ def check_output_dir(path: str | os.PathLike, flag: str = "-o", *, renamed_into_
     return path
 
 
-def atomic_output(path: Path):
-    """A temporary path next to ``path``; call ``os.replace(tmp, path)`` once it is complete."""
+@contextmanager
+def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path next to ``path`` to write (or have a tool write) the whole file to; when the block
+    ends without an error it is renamed to ``path``, with the permissions a new file gets (0666 & ~umask,
+    not the temp file's 0600: a model made here is read by other users' llama.cpp), and otherwise removed,
+    so that ``path`` never holds half a file."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    return Path(tmp)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    # reading the umask means setting it: set it back at once
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask

@@ -17,7 +17,6 @@ nbl_format / stock_layout, quantize) and llama-perplexity; what it prints: conve
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -437,7 +436,6 @@ def convert(args) -> Summary:
                                                **({"n_ctx": long_ctx, "chunks": 1}
                                                   if layers.windows is not None and long_ctx else {}))
         progress.close()
-        _default_permissions(output)
 
         stock_reader = open_gguf(stock_final)
         # the KV cache at the summary's context and at the training context, llama-cli's default -c, if longer
@@ -788,21 +786,10 @@ def budget_layers(candidate, artifact, args, source, method: str, n_layer: int, 
 def copy_atomically(source: Path, target: Path) -> None:
     import shutil
 
-    from nbl_gguf.outputs import atomic_output
+    from nbl_gguf.outputs import atomic_write
 
-    tmp = atomic_output(target)
-    try:
+    with atomic_write(target) as tmp:
         shutil.copyfile(source, tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _default_permissions(path: Path) -> None:
-    """Temp files are created 0600; the finished GGUF gets the usual 0666 & ~umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -54,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exits 1 when a request failed, a response differed from the reference or the memory grew by more
     than --rss-tolerance-mib after the warm-up."""
-    from nbl_gguf.outputs import atomic_output, check_output_file
+    from nbl_gguf.outputs import atomic_write, check_output_file
 
     output = check_output_file(args.output) if args.output else None  # before minutes of load, not after
     values = {f.name: getattr(args, f.name) for f in fields(SoakSettings)}
@@ -62,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
     command = flags.invocation("soak")
     result = soak(Path(args.model) if args.model else None, settings, command)
     if output is not None:
-        tmp = atomic_output(output)
-        tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, output)
+        with atomic_write(output) as tmp:
+            tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     print_summary(result)
     return 0 if result["soak"]["passed"] else 1

@@ -6,7 +6,6 @@ The format is specified in docs/gguf-format.md; the patched llama.cpp (patches/)
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -15,7 +14,7 @@ import numpy as np
 
 from nbl_gguf.errors import NblError
 from nbl_gguf.gguf_header import read_header
-from nbl_gguf.outputs import atomic_output
+from nbl_gguf.outputs import atomic_write
 
 ATTENTION = 0  # stock self-attention
 LINEAR = 1  # attention replaced by y = W x + b of the normed input
@@ -344,8 +343,7 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
     if missing:
         raise NblError(f"{src} has no attention tensors for layers {missing}: is it a {arch} model?")
 
-    tmp = atomic_output(dst)
-    try:
+    with atomic_write(dst) as tmp:
         writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
         # a window the source declares for layers it does not mark is replaced by the file's own
         window_keys = {key.format(arch=arch) for key in (SLIDING_WINDOW_KEY, WINDOW_SINKS_KEY)}
@@ -360,9 +358,6 @@ def write_nbl_gguf(src: str | Path, dst: str | Path, layers: NblLayers,
             add_windows(writer, arch, layers.windows, n_layer)
         add_provenance(writer, layers)
         write_tensors(writer, tensors, reader.endianess, source=reader)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
     return dst
 
 

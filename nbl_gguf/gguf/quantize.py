@@ -16,7 +16,7 @@ from typing import Iterable
 
 from nbl_gguf.errors import NblError
 from nbl_gguf.llamacpp.tools import run_tool, tool
-from nbl_gguf.outputs import atomic_output
+from nbl_gguf.outputs import atomic_write
 
 # "   15  or  Q4_K_M  :  4.58G, ..."   and   "          COPY    : only copy tensors"
 _TYPE_LINE = re.compile(r"^\s+(?:\d+\s+or\s+)?([A-Z][A-Z0-9_]*)\s+:")
@@ -89,17 +89,13 @@ def _llama_quantize(src, dst, qtype: str, args: list[str], *, cwd=None, threads:
         raise NblError(f"{src} does not exist")
     if src.resolve() == dst.resolve():
         raise NblError("llama-quantize must not overwrite its input")
-    tmp = atomic_output(dst)
-    try:
+    with atomic_write(dst) as tmp:
         args = [*args, str(src.resolve()), str(tmp.resolve()), qtype]
         if threads:
             args.append(str(threads))
         run_tool("llama-quantize", args, cwd=cwd)
         if not tmp.is_file() or tmp.stat().st_size == 0:
             raise NblError(f"llama-quantize wrote no output for {src}")
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
     return dst
 
 
@@ -111,8 +107,7 @@ def compute_imatrix(model: str | os.PathLike, texts: Iterable[str] | str, output
     if not text.strip():
         raise NblError("no calibration text for the importance matrix")
     output = Path(output)
-    tmp_out = atomic_output(output)
-    try:
+    with atomic_write(output) as tmp_out:
         with tempfile.TemporaryDirectory(prefix="nbl-imatrix-") as tmpdir:
             text_file = Path(tmpdir) / "calibration.txt"
             text_file.write_text(text, encoding="utf-8")
@@ -127,9 +122,6 @@ def compute_imatrix(model: str | os.PathLike, texts: Iterable[str] | str, output
             run_tool("llama-imatrix", args, cwd=tmpdir)
         if not tmp_out.is_file() or tmp_out.stat().st_size == 0:
             raise NblError(f"llama-imatrix wrote no importance matrix for {model}")
-        os.replace(tmp_out, output)
-    finally:
-        tmp_out.unlink(missing_ok=True)
     return output
 
 

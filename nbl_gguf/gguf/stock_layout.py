@@ -35,7 +35,7 @@ from nbl_gguf.gguf.nbl_format import (
     quantize_weight,
     write_tensors,
 )
-from nbl_gguf.outputs import atomic_output
+from nbl_gguf.outputs import atomic_write
 
 STOCK_ARCH = "deci"
 # GGUF architectures whose layer the deci graph computes unchanged (RMSNorm, rotary attention with
@@ -186,8 +186,7 @@ def write_stock_gguf(src: str | os.PathLike, dst: str | os.PathLike, layers: Nbl
     if missing:
         raise NblError(f"{src} has no attention tensors for layers {missing}: is it a {arch} model?")
 
-    tmp = atomic_output(dst)
-    try:
+    with atomic_write(dst) as tmp:
         writer = gguf.GGUFWriter(tmp, arch=STOCK_ARCH, endianess=reader.endianess)
         def deci_key(key: str) -> str | None:
             if not key.startswith(f"{arch}."):
@@ -204,9 +203,6 @@ def write_stock_gguf(src: str | os.PathLike, dst: str | os.PathLike, layers: Nbl
                              sub_type=gguf.GGUFValueType.INT32)
         add_provenance(writer, layers)
         write_tensors(writer, tensors, reader.endianess, source=reader)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
     return dst
 
 
