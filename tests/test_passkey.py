@@ -91,3 +91,20 @@ def test_eval_passkey_reports_each_file_with_its_cache_type(tmp_path, capsys, mo
     assert results[0]["passkey"]["accuracy"] == {"1024": 1.0} and results[1]["passkey"]["accuracy"] == {"1024": 0.0}
     assert "| passkey @1024 |" in printed and "| 2/2 |" in printed and "| 0/2 |" in printed
     assert "KV cache: q8_0" in printed
+
+
+@pytest.mark.llama
+def test_an_answer_of_bytes_that_never_complete_a_character_ends_after_its_tokens(tmp_path):
+    """A random tiny model answers with byte tokens that never end a UTF-8 character: the answer is still
+    ANSWER_TOKENS tokens (llama-cpp-python's create_completion, counting characters, kept generating until the
+    context was full: 'llama_decode returned 1')."""
+    from nbl_gguf.fixtures.tiny import TinyLlama
+    from nbl_gguf.llamacpp import tools as llamacpp
+
+    if not (llamacpp.bin_dir() / "libllama.so").is_file():
+        pytest.skip("needs the patched llama.cpp build (scripts/build_llama.sh)")
+    model = TinyLlama(n_layer=2, n_head=2, n_head_kv=1, n_ctx_train=2048).write_gguf(tmp_path / "tiny.gguf")
+    result = pk.passkey(model, lengths=(768,), depths=(0.5,), threads=1)
+    (trial,) = result.trials
+    assert trial.prompt_tokens <= 768 and not trial.found
+    assert "\ufffd" in trial.answer and len(trial.answer.encode("utf-8")) <= 3 * pk.ANSWER_TOKENS

@@ -127,7 +127,7 @@ def run_files(args: argparse.Namespace) -> int:
     """llama-perplexity and the task files on each GGUF given; the table on stdout, -o: JSON too."""
     from nbl_gguf.calibration.dataset import write_heldout_text
     from nbl_gguf.gguf.metadata import open_model_gguf
-    from nbl_gguf.measurement.passkey import check_lengths, passkey
+    from nbl_gguf.measurement.passkey import check_prompts, passkey
     from nbl_gguf.measurement.perplexity import evaluate, format_results
     from nbl_gguf.measurement.tasks import check_task_files, check_text
     from nbl_gguf.outputs import check_output_file
@@ -141,7 +141,7 @@ def run_files(args: argparse.Namespace) -> int:
     task_files = check_task_files(flags.task_files(args))
     cache_type, depths = check_passkey_and_cache(args)
     for model in args.models if args.passkey else ():
-        check_lengths(model, args.passkey)
+        check_prompts(model, args.passkey)
     if args.no_ppl and not task_files and not args.passkey:
         raise NblError("nothing to evaluate: --no-ppl and no task file nor --passkey")
     results = []

@@ -89,6 +89,20 @@ def check_lengths(model, lengths) -> None:
                        f"which must hold the prompt and its answer (ask for at most {longest_prompt(trained):,})")
 
 
+def check_prompts(model, lengths) -> None:
+    """check_lengths, and a prompt of each length holds the needle and some filler by the model's own tokenizer
+    (its vocabulary alone loaded, in a second): a length that cannot is refused before minutes of measuring."""
+    from nbl_gguf.llamacpp import library
+
+    check_lengths(model, lengths)
+    llm, _ = library.load_model(model, vocab_only=True)
+    try:
+        for n_ctx in lengths:
+            build_prompt(lambda text: len(llm.tokenize(text.encode("utf-8"), add_bos=True)), n_ctx, 0.5, 10000)
+    finally:
+        llm.close()
+
+
 def passkey(model: str | Path, lengths=(4096,), depths=DEPTHS, *, seed: int = 0, kv_type: str = "f16",
             threads: int | None = None, n_gpu_layers: int | None = None) -> PasskeyResult:
     """Greedy answers of the GGUF ``model`` to one prompt per (length, depth), each with its own key."""
@@ -109,9 +123,26 @@ def passkey(model: str | Path, lengths=(4096,), depths=DEPTHS, *, seed: int = 0,
             for depth in depths:
                 key = rng.randrange(10000, 100000)
                 prompt = build_prompt(count, n_ctx, depth, key)
-                llm.reset()
-                out = llm.create_completion(prompt, max_tokens=ANSWER_TOKENS, temperature=0.0, top_k=1)
-                result.trials.append(Trial(n_ctx, depth, key, count(prompt), out["choices"][0]["text"]))
+                result.trials.append(Trial(n_ctx, depth, key, count(prompt), greedy_answer(llm, prompt)))
         return result
     finally:
         llm.close()
+
+
+def greedy_answer(llm, prompt: str) -> str:
+    """Greedy decoding after ``prompt`` up to ANSWER_TOKENS tokens or an end-of-generation token, as text.
+    Counted in tokens: a completion counted in characters (llama-cpp-python's create_completion) holds back
+    tokens that end inside a UTF-8 character, and a model that emits such bytes without end fills the context
+    and fails."""
+    import llama_cpp
+
+    llm.reset()
+    tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+    answer = []
+    for token in llm.generate(tokens, top_k=1, temp=0.0):
+        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
+            break
+        answer.append(token)
+        if len(answer) == ANSWER_TOKENS:
+            break
+    return llm.detokenize(answer, prev_tokens=tokens).decode("utf-8", errors="replace")
