@@ -114,6 +114,7 @@ def _args(*argv):
     (["--frontier", "--model", "m.gguf", "--calibration", "x"], "--calibration means nothing with --frontier"),
     (["--prune-blocks", "2", "--quick"], "--prune-blocks means nothing without --frontier"),
     (["--ppl-chunks", "2,1", "--quick"], "--ppl-chunks means nothing without --frontier"),
+    (["--frontier-passkey", "4096", "--quick"], "--frontier-passkey means nothing without --frontier"),
 ])
 def test_frontier_argument_errors(argv, message):
     with pytest.raises(NblError, match=message):
@@ -159,7 +160,8 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     out, work = tmp_path / "results", tmp_path / "work"
     assert main(["bench", "--frontier", "--model", str(source), "--m", "1,2", "--calib-nsamples", "8",
                  "--calib-seqlen", "64", "--ppl-chunks", "1,1", "-p", "16", "-n", "4", "-d", "0,64", "-r", "1", "-t", "1",
-                 "--kv-types", "q8_0/q4_0", "--nbl-kv-types", "q8_0", "--frontier-windows", "1", "--work-dir", str(work), "-o", str(out)]) == 0
+                 "--kv-types", "q8_0/q4_0", "--nbl-kv-types", "q8_0", "--frontier-windows", "1", "--frontier-passkey", "768",
+                 "--work-dir", str(work), "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((out / "results.json").read_text())
     labels = [r["label"] for r in result["rows"]]
@@ -168,6 +170,7 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
                       "nbl-m1 per-token", "nbl-m1 per-token kv q8_0", "nbl-m2 per-token", "nbl-m2 per-token kv q8_0",
                       "windows 1", "windows 1 kv q8_0", "windows 1 Q8_0"]
     assert "| nbl-m2 taps4 kv q8_0 |" in printed and (out / "frontier.png").is_file()
+    assert "| passkey @768 |" in printed
     assert result["settings"]["long_ctx"] == 2048 and result["settings"]["kv_ctx"] == 2048
     rows = {r["label"]: r for r in result["rows"]}
     for row in result["rows"]:
@@ -197,6 +200,17 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     assert {t.name: (t.tensor_type, t.data.tobytes()) for t in composed.tensors} == \
         {t.name: (t.tensor_type, t.data.tobytes()) for t in knob.tensors}
     assert rows["windows 1 Q8_0"]["kv_bytes"] == rows["windows 1"]["kv_bytes"]
+    # the passkey column: each variant's answers with its own cache type, as eval --passkey gives them
+    from nbl_gguf.measurement.passkey import DEPTHS, passkey
+
+    for label in ("stock", "stock kv q8_0/q4_0", "nbl-m2 taps4 kv q8_0", "windows 1"):
+        alone = passkey(rows[label]["path"], (768,), kv_type=rows[label]["kv_type"], threads=1)
+        assert rows[label]["passkey"] == {"768": [t.found for t in alone.trials]}, label
+        assert result["passkey"][label]["trials"] == alone.report()["trials"], label
+    assert all(len(row["passkey"]["768"]) == len(DEPTHS) for row in result["rows"])
+    table = list(csv.DictReader(open(out / "frontier.csv", encoding="utf-8")))
+    assert [int(r["passkey_asked_768"]) for r in table] == [len(DEPTHS)] * len(table)
+    assert [int(r["passkey_found_768"]) for r in table] == [sum(r["passkey"]["768"]) for r in result["rows"]]
     # one calibration: the past-token one holds the per-token maps and scores too (tests/test_calibrate_taps.py), so
     # the per-token files are cut from it, with best measured for per-token maps at each m and recorded there
     calibration = next(Path(work).rglob("taps4/calibration"))
@@ -213,6 +227,23 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     pruned = gguf.GGUFReader(rows["stock prune 1 blocks"]["path"])
     assert int(pruned.fields["llama.block_count"].parts[-1][0]) == 3
     assert f"--prune-layers {weakest} " in rows["stock prune 1 blocks"]["made_by"]
+
+
+@pytest.mark.llama
+def test_a_passkey_longer_than_the_training_context_is_refused_before_the_nbl_files(tmp_path, monkeypatch, capsys):
+    from nbl_gguf.fixtures.tiny import TinyLlama
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    source = TinyLlama(n_layer=4, n_head=2, n_head_kv=1, n_ctx_train=2048).write_gguf(tmp_path / "tiny.gguf")
+    assert main(["bench", "--frontier", "--model", str(source), "--m", "1,2", "--frontier-passkey", "1024,2048",
+                 "--work-dir", str(tmp_path / "work"), "-o", str(tmp_path / "results")]) != 0
+    assert "passkey prompts of 2,048 tokens: tiny.gguf is trained to 2,048, which must hold the prompt and its " \
+           "answer (ask for at most 2,024)" in capsys.readouterr().err
+    # and one too short for the needle and filler by the model's tokenizer
+    assert main(["bench", "--frontier", "--model", str(source), "--m", "1,2", "--frontier-passkey", "256",
+                 "--work-dir", str(tmp_path / "work"), "-o", str(tmp_path / "results")]) != 0
+    assert "a passkey prompt of 256 tokens leaves no room for filler" in capsys.readouterr().err
+    assert not list((tmp_path / "work").rglob("calibration")) and not (tmp_path / "results").exists()
 
 
 @pytest.mark.parametrize("long_worst, scale", [((8.5, 2.1), "linear"), ((16, 4), "symlog")])

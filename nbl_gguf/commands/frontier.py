@@ -63,6 +63,11 @@ def add_arguments(group) -> None:
                        help="--frontier: files with N window layers each (convert --m 0 --windows N, the default "
                             "--window-size and --window-sinks) (default: half the layers where the model can carry "
                             "them; 0: none)")
+    group.add_argument("--frontier-passkey", type=flags.int_list, default=None, metavar="N[,N]",
+                       help="--frontier: also the passkey test of every variant at these prompt lengths in tokens, "
+                            "with its cache type (eval --passkey; five depths): retrieval, which perplexity does not "
+                            "show and a weight type can lose as well as a window layer (about 2.5 min a variant at "
+                            "4,096 tokens for a 135M model on 2 cores) (default: none)")
     group.add_argument("--frontier-report", default=None, metavar="DIR",
                        help="write the markdown, CSV and plot of a finished frontier again from DIR/results.json, "
                             "as this version writes them (nothing is measured)")
@@ -87,6 +92,7 @@ def check_arguments(args) -> None:
     if not args.frontier:
         for name, default in (("prune_blocks", None), ("long_ctx", None), ("ctx_size", None), ("ppl_chunks", (4, 1)),
                               ("kv_types", ",".join(DEFAULT_KV_TYPES)), ("frontier_windows", None),
+                              ("frontier_passkey", None),
                               ("nbl_kv_types", ",".join(DEFAULT_NBL_KV_TYPES))):
             if getattr(args, name) != default:
                 raise NblError(f"--{name.replace('_', '-')} means nothing without --frontier")
@@ -195,6 +201,7 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
     from nbl_gguf.gguf.nbl_format import TAPS_ARCHITECTURES
     from nbl_gguf.gguf.quantize import prune_blocks
     from nbl_gguf.measurement.frontier import KNOB, NBL, STOCK, Variant, neighbour_types
+    from nbl_gguf.measurement.passkey import check_prompts
     from nbl_gguf.model_source import is_gguf_file
     from nbl_gguf.models import resolve_device
 
@@ -209,6 +216,8 @@ def make_variants(args, log) -> tuple[str, list, list[str], list[str]]:
     prune = min(m_list) if args.prune_blocks is None else args.prune_blocks
     if not 0 <= prune < n_layer:
         raise NblError(f"--prune-blocks {prune} is out of range: {name} has {n_layer} blocks")
+    if args.frontier_passkey:  # prompts that cannot be made are refused before the NBL files are
+        check_prompts(stock, args.frontier_passkey)
     carries_taps = gguf_architecture(side.source) in TAPS_ARCHITECTURES
     # as convert's --taps auto: not on a CPU above its width limit, where one layer's taps fit takes minutes
     cheap = side.hidden <= AUTO_TAPS_CPU_MAX_WIDTH or resolve_device(args.device).startswith("cuda")
@@ -367,7 +376,8 @@ def run_frontier(args) -> int:
         short_chunks=args.ppl_chunks[0], long_ctx=long_ctx, long_chunks=args.ppl_chunks[1], kv_ctx=args.ctx_size or train_ctx,
         depths=tuple(args.depths or FRONTIER_DEPTHS), n_prompt=512 if args.n_prompt is None else args.n_prompt,
         n_gen=128 if args.n_gen is None else args.n_gen, repetitions=args.repetitions or 2, rounds=args.rounds or 1,
-        threads=args.threads, backends=tuple(backends), bench_args=tuple(args.bench_args.split()))
+        threads=args.threads, backends=tuple(backends), bench_args=tuple(args.bench_args.split()),
+        passkey=tuple(args.frontier_passkey or ()))
     made_s = time.monotonic() - started
     log(f"frontier of {name}: {len(variants)} variants on {', '.join(backends)}")
     with tempfile.TemporaryDirectory(prefix="nbl-frontier-") as tmp:
@@ -382,7 +392,9 @@ def run_frontier(args) -> int:
              f"{settings.long_ctx} tokens per kind; the change is against the stock file with an F16 cache. "
              f"KV: as llama.cpp allocates it at {settings.kv_ctx:,} tokens (llama-cli's settings). Speed: "
              f"llama-bench -p {settings.n_prompt} -n {settings.n_gen} -r {settings.repetitions}, "
-             f"{settings.rounds} round(s), tokens/s (x: against stock).",
+             f"{settings.rounds} round(s), tokens/s (x: against stock)."
+             + (" Passkey: keys found of those asked, one prompt per depth (0.1 to 0.9 of the prompt), greedy "
+                "answers, the variant's cache type (eval --passkey)." if settings.passkey else ""),
              f"Frontier: no other variant has at most its mean change at {settings.long_ctx} tokens and at most its KV "
              f"bytes (KV) or at least its decode speed at depth {max(settings.depths)} (decode).",
              *notes,

@@ -9,7 +9,10 @@ A variant is a GGUF and the KV cache type it runs with (``-ctk/-ctv``). Each one
 - the KV cache llama.cpp allocates for it at ``kv_ctx`` (nbl_gguf.kv_cache, which is tested against the
   allocator's log) and its file size;
 - llama-bench prompt and decode at each depth, every variant once per round in alternating order, so
-  that a noisy machine slows all alike (measurement.llama_bench).
+  that a noisy machine slows all alike (measurement.llama_bench);
+- optionally (``passkey``), the passkey test at those prompt lengths with the variant's cache type
+  (measurement.passkey): retrieval, which perplexity does not show and a weight type can lose as well as a
+  window layer.
 The quality of a variant is its mean change in long-context perplexity over the kinds of text, against
 the stock file with an F16 cache; a point is on a frontier when no other variant is at least as good
 on both axes and better on one.
@@ -75,11 +78,14 @@ class FrontierSettings:
     threads: int | None = None
     backends: tuple[str, ...] = ("cpu",)
     bench_args: tuple[str, ...] = ()
+    passkey: tuple[int, ...] = ()  # passkey prompt lengths in tokens; none: no passkey test
 
     def __post_init__(self):
         for name in ("short_ctx", "short_chunks", "long_ctx", "long_chunks", "kv_ctx", "repetitions", "rounds"):
             if getattr(self, name) < 1:
                 raise NblError(f"the frontier's {name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
+        if any(n < 1 for n in self.passkey):
+            raise NblError(f"the frontier's passkey lengths must be at least 1 token, got {list(self.passkey)}")
         if self.long_ctx < self.short_ctx:
             raise NblError(f"the long context ({self.long_ctx}) is shorter than the short one ({self.short_ctx})")
 
@@ -94,6 +100,11 @@ class Row:
     perplexity: dict[int, dict[str, float]] = field(default_factory=dict)
     tokens: dict[int, dict[str, int]] = field(default_factory=dict)
     speed: dict[str, float] = field(default_factory=dict)  # "cpu tg d4096" -> tokens/s (mean of the calls)
+    passkey: dict[int, list[bool]] = field(default_factory=dict)  # prompt length -> found, at each depth
+
+    def passkey_cell(self, n_ctx: int) -> str:
+        found = self.passkey.get(n_ctx)
+        return "" if found is None else f"{sum(found)}/{len(found)}"
 
     @property
     def label(self) -> str:
@@ -117,6 +128,21 @@ def measure_perplexity(variants: list[Variant], texts: dict[str, Path], settings
         shown = ", ".join(f"{kind} {out[variant.label][settings.long_ctx][kind].ppl:.3f}" for kind in texts)
         log(f"[perplexity {index}/{len(variants)}] {variant.label}: at {settings.long_ctx} {shown} "
             f"({time.monotonic() - started:.0f} s)")
+    return out
+
+
+def measure_passkey(variants: list[Variant], settings: FrontierSettings, log) -> dict:
+    """{label: PasskeyResult}: each variant's greedy answers to the passkey prompts, with its cache type."""
+    from nbl_gguf.measurement.passkey import passkey
+
+    out = {}
+    for index, variant in enumerate(variants, 1):
+        started = time.monotonic()
+        out[variant.label] = result = passkey(variant.path, settings.passkey, kv_type=variant.kv_type,
+                                              threads=settings.threads)
+        shown = ", ".join(f"{sum(t.found for t in result.trials if t.n_ctx == n)}/"
+                          f"{sum(t.n_ctx == n for t in result.trials)} at {n}" for n in settings.passkey)
+        log(f"[passkey {index}/{len(variants)}] {variant.label}: {shown} ({time.monotonic() - started:.0f} s)")
     return out
 
 
@@ -180,6 +206,7 @@ def measure(variants: list[Variant], texts: dict[str, Path], settings: FrontierS
     if not variants or variants[0].group != STOCK or variants[0].kv_type != "f16":
         raise NblError("the frontier's first variant must be the stock file with an F16 cache (the reference)")
     perplexities = measure_perplexity(variants, texts, settings, log)
+    passkeys = measure_passkey(variants, settings, log) if settings.passkey else {}
     records, commands = measure_speed(variants, settings, log)
     speeds = mean_speeds(records)
     rows, readers = [], {}
@@ -189,8 +216,13 @@ def measure(variants: list[Variant], texts: dict[str, Path], settings: FrontierS
                         kv_bytes(variant.path, variant.kv_type, settings.kv_ctx, readers),
                         perplexity={ctx: {k: p.ppl for k, p in kinds.items()} for ctx, kinds in measured.items()},
                         tokens={ctx: {k: p.tokens for k, p in kinds.items()} for ctx, kinds in measured.items()},
-                        speed=speeds.get(variant.label, {})))
-    return rows, {"llama_bench": records, "llama_bench_commands": commands}
+                        speed=speeds.get(variant.label, {}),
+                        passkey={n: [t.found for t in passkeys[variant.label].trials if t.n_ctx == n]
+                                 for n in settings.passkey}))
+    raw = {"llama_bench": records, "llama_bench_commands": commands}
+    if passkeys:  # the answers, to read what a variant said instead of the key
+        raw["passkey"] = {label: result.report() for label, result in passkeys.items()}
+    return rows, raw
 
 
 # --- the frontier ------------------------------------------------------------------------------------
@@ -269,7 +301,8 @@ def table(rows: list[Row], settings: FrontierSettings) -> tuple[list[str], list[
     on = frontiers(rows, settings)
     header = (["variant", "kind", "run with", "file", f"KV at {settings.kv_ctx:,}"]
               + [f"PPL {kind} @{ctx}" for ctx in (settings.short_ctx, settings.long_ctx) for kind in kinds]
-              + [f"mean change @{settings.long_ctx}"] + keys + ["frontier"])
+              + [f"mean change @{settings.long_ctx}"] + keys + [f"passkey @{n}" for n in settings.passkey]
+              + ["frontier"])
     cells = []
     for index, row in enumerate(rows):
         line = [row.label, row.variant.group, row.variant.runtime or "-", _mib(row.file_bytes), _mib(row.kv_bytes)]
@@ -282,6 +315,7 @@ def table(rows: list[Row], settings: FrontierSettings) -> tuple[list[str], list[
             value = row.speed.get(key)
             base = reference.speed.get(key)
             line.append("" if value is None else f"{value:.1f}" + ("" if index == 0 or not base else f" ({value / base:.2f}x)"))
+        line += [row.passkey_cell(n) for n in settings.passkey]
         line.append(", ".join(name for name, marks in (("KV", on["kv"]), ("decode", on["decode"])) if marks[index]))
         cells.append(line)
     return header, cells
@@ -310,6 +344,7 @@ def write_csv(path: Path, rows: list[Row], settings: FrontierSettings) -> Path:
         writer.writerow(["label", "group", "kv_type", "file_bytes", "kv_bytes", "kv_ctx"]
                         + [f"ppl_{kind}_{ctx}" for ctx in (settings.short_ctx, settings.long_ctx) for kind in kinds]
                         + [f"mean_change_pct_{settings.long_ctx}"] + [k.replace(" ", "_") + "_ts" for k in keys]
+                        + [f"passkey_{what}_{n}" for n in settings.passkey for what in ("found", "asked")]
                         + ["kv_frontier", "decode_frontier"])
         for index, row in enumerate(rows):
             writer.writerow([row.label, row.variant.group, row.variant.kv_type, row.file_bytes, row.kv_bytes,
@@ -318,6 +353,8 @@ def write_csv(path: Path, rows: list[Row], settings: FrontierSettings) -> Path:
                                for kind in kinds]
                             + [f"{mean_change(row, reference, settings.long_ctx):.3f}"]
                             + [f"{row.speed[k]:.3f}" if k in row.speed else "" for k in keys]
+                            + [value for n in settings.passkey
+                               for value in ((sum(row.passkey[n]), len(row.passkey[n])) if n in row.passkey else ("", ""))]
                             + [int(on["kv"][index]), int(on["decode"][index])])
     return path
 
@@ -385,7 +422,8 @@ def write_outputs(out: Path, title: str, rows: list[Row], settings: FrontierSett
     record = {"title": title, "settings": asdict(settings), "notes": notes,
               "rows": [{"label": r.label, "group": r.variant.group, "kv_type": r.variant.kv_type,
                         "path": str(r.variant.path), "made_by": r.variant.made_by, "file_bytes": r.file_bytes,
-                        "kv_bytes": r.kv_bytes, "perplexity": r.perplexity, "tokens": r.tokens, "speed": r.speed}
+                        "kv_bytes": r.kv_bytes, "perplexity": r.perplexity, "tokens": r.tokens, "speed": r.speed,
+                        "passkey": r.passkey}
                        for r in rows]} | raw
     (out / "results.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
     written.append(out / "results.json")
@@ -403,7 +441,8 @@ def read_results(path: Path) -> tuple[str, list[Row], FrontierSettings, list[str
         rows = [Row(Variant(r["label"], r["group"], Path(r["path"]), r["kv_type"], r.get("made_by", "")),
                     r["file_bytes"], r["kv_bytes"],
                     perplexity={int(ctx): kinds for ctx, kinds in r["perplexity"].items()},
-                    tokens={int(ctx): kinds for ctx, kinds in r.get("tokens", {}).items()}, speed=r["speed"])
+                    tokens={int(ctx): kinds for ctx, kinds in r.get("tokens", {}).items()}, speed=r["speed"],
+                    passkey={int(n): found for n, found in r.get("passkey", {}).items()})
                 for r in record["rows"]]
         title, notes = record["title"], record["notes"]
     except (OSError, ValueError, KeyError, TypeError) as error:
