@@ -62,11 +62,13 @@ def _row(label, group, ppl_short, ppl_long, kv, tg, kv_type="f16"):
 
 
 def test_table_changes_and_fronts_by_hand(tmp_path):
-    settings = FrontierSettings(depths=(0, 4096), kv_ctx=8192)
+    settings = FrontierSettings(depths=(0, 4096), kv_ctx=8192, passkey=(4096,))
     rows = [_row("stock", frontier.STOCK, (10, 4), (8, 2), 100, 50),
             _row("stock kv q8_0", frontier.STOCK, (10.1, 4), (8.08, 2.02), 53, 48, "q8_0"),
             _row("nbl-m4", frontier.NBL, (11, 5), (9, 3), 80, 60),
             _row("worse", frontier.KNOB, (20, 8), (16, 4), 100, 40)]
+    for row, found in zip(rows, ([True] * 5, [True] * 5, [True, False, True, False, False], [False] * 5)):
+        row.passkey = {4096: found}
     # mean change at 4096: stock 0; q8_0 (1% + 1%) / 2 = 1%; nbl (12.5% + 50%) / 2 = 31.25%; worse 100%
     assert frontier.mean_change(rows[1], rows[0], 4096) == pytest.approx(1.0)
     assert frontier.mean_change(rows[2], rows[0], 4096) == pytest.approx(31.25)
@@ -79,6 +81,7 @@ def test_table_changes_and_fronts_by_hand(tmp_path):
     assert cells[1][header.index("run with")] == "-ctk q8_0 -ctv q8_0"
     assert cells[2][header.index("cpu tg d4096")] == "30.0 (1.20x)"
     assert cells[3][header.index("frontier")] == ""
+    assert [line[header.index("passkey @4096")] for line in cells] == ["5/5", "5/5", "2/5", "0/5"]
     # within +10%: ours has nothing (nbl-m4 is +31%); llama.cpp's fastest is stock (50 against q8_0's 48)
     race = frontier.decode_within(rows, settings)
     assert race[0] == ("decode at depth 0 (cpu), within +10% of stock's perplexity at 4,096: fastest of ours none; "
@@ -98,6 +101,7 @@ def test_table_changes_and_fronts_by_hand(tmp_path):
     with open(tmp_path / "frontier.csv", encoding="utf-8") as handle:
         table = list(csv.DictReader(handle))
     assert [r["label"] for r in table] == ["stock", "stock kv q8_0", "nbl-m4", "worse"]
+    assert [(r["passkey_found_4096"], r["passkey_asked_4096"]) for r in table] == [("5", "5"), ("5", "5"), ("2", "5"), ("0", "5")]
     assert [r["kv_frontier"] for r in table] == ["1", "1", "0", "0"]
     assert float(table[3]["mean_change_pct_4096"]) == pytest.approx(100.0)
 
