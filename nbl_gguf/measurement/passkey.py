@@ -89,6 +89,11 @@ def check_lengths(model, lengths) -> None:
                        f"which must hold the prompt and its answer (ask for at most {longest_prompt(trained):,})")
 
 
+def token_counter(llm):
+    """Tokens of a text by ``llm``'s tokenizer, BOS included: what build_prompt fills a length with."""
+    return lambda text: len(llm.tokenize(text.encode("utf-8"), add_bos=True))
+
+
 def check_prompts(model, lengths) -> None:
     """check_lengths, and a prompt of each length holds the needle and some filler by the model's own tokenizer
     (its vocabulary alone loaded, in a second): a length that cannot is refused before minutes of measuring."""
@@ -98,7 +103,7 @@ def check_prompts(model, lengths) -> None:
     llm, _ = library.load_model(model, vocab_only=True)
     try:
         for n_ctx in lengths:
-            build_prompt(lambda text: len(llm.tokenize(text.encode("utf-8"), add_bos=True)), n_ctx, 0.5, 10000)
+            build_prompt(token_counter(llm), n_ctx, 0.5, 10000)
     finally:
         llm.close()
 
@@ -115,9 +120,7 @@ def passkey(model: str | Path, lengths=(4096,), depths=DEPTHS, *, seed: int = 0,
                                 swa_full=False, type_k=type_k, type_v=type_v, flash_attn=True, n_batch=512,
                                 n_threads=threads, n_threads_batch=threads)
     try:
-        def count(text: str) -> int:
-            return len(llm.tokenize(text.encode("utf-8"), add_bos=True))
-
+        count = token_counter(llm)
         result = PasskeyResult()
         for n_ctx in lengths:
             for depth in depths:
