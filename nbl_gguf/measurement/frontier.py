@@ -103,8 +103,10 @@ class Row:
     passkey: dict[int, list[bool]] = field(default_factory=dict)  # prompt length -> found, at each depth
 
     def passkey_cell(self, n_ctx: int) -> str:
+        from nbl_gguf.measurement.passkey import found_of_asked
+
         found = self.passkey.get(n_ctx)
-        return "" if found is None else f"{sum(found)}/{len(found)}"
+        return "" if found is None else found_of_asked(found)
 
     @property
     def label(self) -> str:
@@ -133,15 +135,14 @@ def measure_perplexity(variants: list[Variant], texts: dict[str, Path], settings
 
 def measure_passkey(variants: list[Variant], settings: FrontierSettings, log) -> dict:
     """{label: PasskeyResult}: each variant's greedy answers to the passkey prompts, with its cache type."""
-    from nbl_gguf.measurement.passkey import passkey
+    from nbl_gguf.measurement.passkey import found_of_asked, passkey
 
     out = {}
     for index, variant in enumerate(variants, 1):
         started = time.monotonic()
         out[variant.label] = result = passkey(variant.path, settings.passkey, kv_type=variant.kv_type,
                                               threads=settings.threads)
-        shown = ", ".join(f"{sum(t.found for t in result.trials if t.n_ctx == n)}/"
-                          f"{sum(t.n_ctx == n for t in result.trials)} at {n}" for n in settings.passkey)
+        shown = ", ".join(f"{found_of_asked(result.found(n))} at {n}" for n in settings.passkey)
         log(f"[passkey {index}/{len(variants)}] {variant.label}: {shown} ({time.monotonic() - started:.0f} s)")
     return out
 
@@ -217,8 +218,7 @@ def measure(variants: list[Variant], texts: dict[str, Path], settings: FrontierS
                         perplexity={ctx: {k: p.ppl for k, p in kinds.items()} for ctx, kinds in measured.items()},
                         tokens={ctx: {k: p.tokens for k, p in kinds.items()} for ctx, kinds in measured.items()},
                         speed=speeds.get(variant.label, {}),
-                        passkey={n: [t.found for t in passkeys[variant.label].trials if t.n_ctx == n]
-                                 for n in settings.passkey}))
+                        passkey={n: passkeys[variant.label].found(n) for n in settings.passkey}))
     raw = {"llama_bench": records, "llama_bench_commands": commands}
     if passkeys:  # the answers, to read what a variant said instead of the key
         raw["passkey"] = {label: result.report() for label, result in passkeys.items()}

@@ -43,15 +43,24 @@ class Trial:
 class PasskeyResult:
     trials: list[Trial] = field(default_factory=list)
 
+    def found(self, n_ctx: int | None = None) -> list[bool]:
+        """Whether each trial (at prompt length ``n_ctx``, or any) found its key, in trial order."""
+        return [t.found for t in self.trials if n_ctx is None or t.n_ctx == n_ctx]
+
     def accuracy(self, n_ctx: int | None = None) -> float:
-        chosen = [t for t in self.trials if n_ctx is None or t.n_ctx == n_ctx]
-        return sum(t.found for t in chosen) / len(chosen) if chosen else float("nan")
+        found = self.found(n_ctx)
+        return sum(found) / len(found) if found else float("nan")
 
     def report(self) -> dict:
         lengths = sorted({t.n_ctx for t in self.trials})
         return {"accuracy": {str(n): self.accuracy(n) for n in lengths},
                 "trials": [{"n_ctx": t.n_ctx, "depth": t.depth, "key": t.key, "prompt_tokens": t.prompt_tokens,
                             "answer": t.answer, "found": t.found} for t in self.trials]}
+
+
+def found_of_asked(found) -> str:
+    """'3/5': the keys found of those asked, as the tables show them."""
+    return f"{sum(found)}/{len(found)}"
 
 
 def build_prompt(count_tokens, n_tokens: int, depth: float, key: int) -> str:

@@ -183,6 +183,8 @@ def evaluate(model, *, text_file=None, n_ctx=DEFAULT_CTX, chunks=None, batch=Non
 
 def format_results(results: list[dict]) -> str:
     """evaluate()'s results of several GGUFs as a markdown table."""
+    from nbl_gguf.measurement.passkey import found_of_asked
+
     tasks = [t for t in TASKS if any(t in r for r in results)]
     lengths = sorted({int(n) for r in results for n in (r.get("passkey") or {}).get("accuracy", {})})
     header = ["model"] + (["PPL"] if any("perplexity" in r for r in results) else []) + tasks
@@ -203,7 +205,7 @@ def format_results(results: list[dict]) -> str:
                 row.append(f"{a['accuracy']:.2f} ± {a['stderr']:.2f} (n={a['tasks']})")
         for n in lengths:
             trials = [t for t in (r.get("passkey") or {}).get("trials", []) if t["n_ctx"] == n]
-            row.append(f"{sum(t['found'] for t in trials)}/{len(trials)}" if trials else "")
+            row.append(found_of_asked([t["found"] for t in trials]) if trials else "")
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
