@@ -310,6 +310,49 @@ def test_the_retrieval_walk_equals_the_whole_model_measured_per_step(stream_and_
     assert (sparse.kept, sparse.losses, sparse.refused) == (guard.kept, guard.losses, guard.refused)
 
 
+def test_the_retrieval_walk_of_replaced_layers_equals_the_whole_model_measured_per_step(stream_and_model):
+    """calibration.recall's walk: guarded_walk with linear maps in place of windows, against the whole model
+    with each step's set replaced."""
+    from nbl_gguf.calibration.recall import walk_order
+    from nbl_gguf.calibration.windows import RetrievalProbes, guarded_walk
+
+    stream, model, _ = stream_and_model
+    probe_ids = torch.randint(4, 40, (2, 96), generator=torch.Generator().manual_seed(13))
+    probe_ids[:, 84:92] = probe_ids[:, 20:28]
+    scored = torch.zeros(2, 95, dtype=torch.bool)
+    scored[:, 84:91] = True
+    probes = RetrievalProbes(probe_ids, scored, (64, 64))
+    linear = random_maps(range(6))
+    order = walk_order([3, 1], [5, 3, 0, 1, 4, 2])
+    assert order == [3, 1, 5, 0, 4, 2]
+
+    base = whole_model_answer_loss(model, probes, {}, {})
+    alone = sorted(whole_model_answer_loss(model, probes, {i: ATTN_LINEAR}, {i: linear[i]}) - base for i in order)
+    tolerance = (alone[1] + alone[2]) / 2
+    kept, refused = [], {}
+    for layer in order:
+        if len(kept) == 2:
+            break
+        layers = kept + [layer]
+        loss = whole_model_answer_loss(model, probes, {i: ATTN_LINEAR for i in layers}, {i: linear[i] for i in layers})
+        if loss <= base + tolerance:
+            kept.append(layer)
+        else:
+            refused[layer] = loss
+    assert kept and refused  # the tolerance keeps some and refuses some: the walk goes past the selection
+
+    guard = guarded_walk(stream, probes, order, 2, {}, lambda layer, _type: linear[layer], tolerance,
+                         layer_type=ATTN_LINEAR)
+    assert guard.base_loss == pytest.approx(base, abs=1e-5)
+    assert guard.kept == kept and sorted(guard.refused) == sorted(refused)
+    for layer, loss in refused.items():
+        assert guard.refused[layer] == pytest.approx(loss, abs=1e-5)
+    fill = sorted(refused, key=lambda i: refused[i])[:2 - len(kept)]
+    assert guard.chosen(2) == tuple(sorted(kept + fill))
+    with pytest.raises(NblError, match=r"layers \[7\] of the selection are not in the ranking"):
+        walk_order([7], [0, 1])
+
+
 def test_global_recall_equals_the_whole_model_with_each_layer_global_in_turn(stream_and_model):
     from nbl_gguf.calibration.windows import RetrievalProbes, global_recall
 

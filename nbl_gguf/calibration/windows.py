@@ -101,7 +101,7 @@ class RetrievalGuard:
     probes: int
     distances: tuple[int, ...]
     tolerance: float
-    base_loss: float  # nats per answer token without window layers (with the replaced layers)
+    base_loss: float  # nats per answer token with the walk's ``replaced`` layers alone (none of its own)
     kept: list[int] = field(default_factory=list)  # in the order the walk took them
     losses: list[float] = field(default_factory=list)  # the set's answer loss as each was kept
     refused: dict[int, float] = field(default_factory=dict)  # the set's answer loss with it
@@ -109,6 +109,11 @@ class RetrievalGuard:
     @property
     def loss(self) -> float:
         return self.losses[-1] if self.losses else self.base_loss
+
+    def chosen(self, count: int) -> tuple[int, ...]:
+        """``count`` layers: those kept, then (if fewer passed) those refused, the least harmful first."""
+        fill = sorted(self.refused, key=lambda i: (self.refused[i], i))[:count - len(self.kept)]
+        return tuple(sorted(self.kept + fill))
 
     def report(self) -> dict:
         return {"probes": self.probes, "distances": list(self.distances), "tolerance": self.tolerance,
@@ -294,9 +299,10 @@ HOLD_BYTES = 2 << 30  # the walk's held hidden states, at most (an 8B model's 33
 
 def guarded_walk(stream, probes: RetrievalProbes, order: Sequence[int], count: int, replaced: Mapping[int, int],
                  layer_map: Callable, tolerance: float,
-                 hold_bytes: int = HOLD_BYTES) -> RetrievalGuard:
+                 hold_bytes: int = HOLD_BYTES, layer_type: int = ATTN_WINDOW) -> RetrievalGuard:
     """Take the layers of ``order`` one by one until ``count`` are kept, each kept if the probes' answer loss
-    with it and those kept before stays within ``tolerance`` of the loss without window layers.
+    with it made ``layer_type`` (a window layer, or a replaced one: calibration.recall) and those kept before
+    stays within ``tolerance`` of the loss of ``replaced`` alone.
 
     The kept set's hidden states are held at every ``stride``-th layer's input (as many as ``hold_bytes``
     allows), so a candidate runs from the held input at or before its own layer on: the layers before
@@ -329,10 +335,10 @@ def guarded_walk(stream, probes: RetrievalProbes, order: Sequence[int], count: i
     for layer in order:
         if len(guard.kept) == count:
             break
-        trial = run(track, layer, {**variant, layer: ATTN_WINDOW})
+        trial = run(track, layer, {**variant, layer: layer_type})
         loss = answer_loss(stream, [trial[n_layer]], probes)[0]
         if loss <= guard.base_loss + tolerance:
-            variant[layer] = ATTN_WINDOW
+            variant[layer] = layer_type
             track = trial
             guard.kept.append(layer)
             guard.losses.append(loss)
@@ -380,8 +386,7 @@ def choose_windows(stream, ids: torch.Tensor, count: int, window: Window, *, rep
     guard = None
     if probes is not None:
         guard = guarded_walk(stream, probes, by_text, count, replaced, layer_map, tolerance)
-        fill = sorted(guard.refused, key=lambda i: (guard.refused[i], i))[:count - len(guard.kept)]
-        chosen = tuple(sorted(guard.kept + fill))
+        chosen = guard.chosen(count)
     else:
         chosen = tuple(sorted(by_text[:count]))
     together = {**replaced, **{i: ATTN_WINDOW for i in chosen}}

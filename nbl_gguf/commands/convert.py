@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "block-nbl is evaluated in PyTorch only")
     flags.add_selection_arguments(parser)
     flags.add_taps_arguments(parser, auto=True)
+    parser.add_argument("--nbl-retrieval", type=flags.retrieval_tolerance, default=None, metavar="NATS",
+                        help="check the selection for recall: walk its layers, then its criterion's next ones, on "
+                             "facts hidden far back in the selection text, and replace a layer only while their "
+                             "answer's loss rises by at most NATS per token over the unmodified model's (e.g. 0.15; "
+                             "docs/results/recall.md) (default: off)")
     flags.add_window_arguments(parser)
     flags.add_dataset_arguments(parser)
     parser.add_argument("--nsamples", type=int, default=None,
@@ -285,6 +290,9 @@ def convert(args) -> Summary:
     if args.kv_budget is None and args.kv_budget_passkey != "on":
         raise NblError("--kv-budget-passkey means nothing without --kv-budget")
     budget = check_kv_budget(args, source, n_layer) if args.kv_budget is not None else None
+    if budget is not None and args.nbl_retrieval is not None:
+        raise NblError("--nbl-retrieval with --kv-budget: the budget checks each candidate's recall itself "
+                       "(--kv-budget-passkey)")
     if budget is not None:
         args = argparse.Namespace(**(vars(args) | {"m": budget.most_layers}))  # the calibration goes that far
     m, _ = selection_budget(args.m, args.max_ppl_increase)
@@ -318,6 +326,9 @@ def convert(args) -> Summary:
         steps.append("stock conversion")
         if quant not in FLOAT_TYPES:
             steps += (["imatrix"] if args.imatrix else []) + ["quantize stock"]
+    checking_recall = args.nbl_retrieval is not None and (calibrating or args.calibration) and m != 0
+    if checking_recall:
+        steps.insert(1, "retrieval check")  # right after the calibration
     if args.refine:
         steps.append("refine")
     if args.windows:
@@ -358,8 +369,17 @@ def convert(args) -> Summary:
                 if budget is None:
                     artifact = measure_best(artifact, args, source, method, n_layer, taps, meter)
                 selected = chosen_layers(artifact, layer_choice(args), method, n_layer, taps)
+        recall = None
+        if checking_recall and selected:
+            # 1a. the chosen layers walked on retrieval probes: a layer that recall needs is not replaced
+            from nbl_gguf.calibration.recall import describe as describe_recall
+
+            with stage("retrieval check"):
+                recall = recall_layers(args, source, artifact, method, taps, selected)
+                print(describe_recall(recall), file=sys.stderr)
+            selected = list(recall.layers)
         if args.refine:
-            # 1a. the chosen layers' maps tuned against the model's output, added to the artifact (unless it
+            # 1b. the chosen layers' maps tuned against the model's output, added to the artifact (unless it
             # holds them already)
             from nbl_gguf.calibration.refine import refine_artifact
 
@@ -369,6 +389,8 @@ def convert(args) -> Summary:
                                                selected, refine_plan, taps=taps)
         if artifact is not None:
             layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
+            if recall is not None:
+                layers.calibration = {**layers.calibration, "recall": recall.report()}
         else:
             layers = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer, method=method,
                                           criterion=args.criterion,
@@ -378,7 +400,7 @@ def convert(args) -> Summary:
             meter.merge(artifact.report.get("resources", {}), prefix="calibrate: ")
         windows = None
         if args.windows:
-            # 1b. the window layers, among the attention layers left, on top of the replaced ones
+            # 1c. the window layers, among the attention layers left, on top of the replaced ones
             with stage("window layers"):
                 windows = window_layers(args, source, layers, window_ctx)
             layers.windows = nbl_format.Windows(layers=windows.layers, size=args.window_size, sinks=args.window_sinks)
@@ -426,6 +448,8 @@ def convert(args) -> Summary:
             else:  # the budget's winner is the stock file with a quantized cache: it is the output as it is
                 copy_atomically(stock_final, output)
                 notes = [f"no layer replaced: the stock file with a {kv_type} KV cache measured best within the budget"]
+            if recall is not None:
+                notes.insert(0, describe_recall(recall))
         heldout = None
         if not args.no_eval:
             with stage("held-out perplexity"):
@@ -527,12 +551,49 @@ def surgery(stock: Path, output: Path, layers, args, imatrix) -> dict:
     return weights
 
 
+def recall_layers(args, source, artifact, method: str, taps: int, selected: list[int]):
+    """calibration.recall.keep_recall of ``selected`` with the artifact's maps, on each bundled kind's selection
+    text at recall.DEFAULT_CTX tokens (the training context if shorter), walked in the ranking of the local
+    criterion whose first layers they are (--criterion's own first; cosine's for a greedy choice)."""
+    import torch
+
+    from nbl_gguf import models
+    from nbl_gguf.calibration.artifact import CRITERIA, LOCAL_DEFAULT, METHOD_TARGET
+    from nbl_gguf.calibration.best_at import map_reader
+    from nbl_gguf.calibration.dataset import KINDS, bundled_selection_windows
+    from nbl_gguf.calibration.recall import DEFAULT_CTX, keep_recall
+    from nbl_gguf.calibration.solve import ranking
+    from nbl_gguf.calibration.stream import LayerStream
+
+    rankings = {c: ranking(artifact.scores(c, METHOD_TARGET[method])) for c in CRITERIA}
+    tried = sorted(CRITERIA, key=lambda c: c != args.criterion)
+    criterion = next((c for c in tried if sorted(rankings[c][:len(selected)]) == sorted(selected)), LOCAL_DEFAULT)
+    layer_type, maps = map_reader(artifact, method, taps)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = models.resolve_device(args.device)
+    stream = LayerStream(source, models.resolve_dtype(args.dtype, device), device)
+    ctx = min(DEFAULT_CTX, source_training_context(source) or DEFAULT_CTX)
+    ids, _ = bundled_selection_windows(stream.tokenizer, {kind: 1 for kind in KINDS}, ctx)
+    return keep_recall(stream, ids, selected, rankings[criterion], layer_type, maps, args.nbl_retrieval)
+
+
+def source_training_context(source) -> int | None:
+    """The model's training context (its GGUF's key, or its config's), None where neither says."""
+    import json as _json
+
+    if source.gguf is not None:
+        from nbl_gguf.gguf.metadata import open_gguf, training_context
+
+        return training_context(open_gguf(source.gguf.path))
+    config = _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
+    return kv_cache.training_context_from_config(config)
+
+
 # --- --windows -----------------------------------------------------------------------------------------
 
 def check_windows(args, source, n_layer: int) -> int | None:
     """--windows and its companions checked before any work; the context the choice is measured at."""
-    import json as _json
-
     from nbl_gguf.calibration.windows import DEFAULT_CTX
     from nbl_gguf.gguf import nbl_format
 
@@ -544,13 +605,7 @@ def check_windows(args, source, n_layer: int) -> int | None:
     if args.kv_budget is not None:
         raise NblError("--windows and --kv-budget: the budget does not choose window layers yet (leave one out)")
     arch = source_architecture(source)
-    if source.gguf is not None:
-        from nbl_gguf.gguf.metadata import open_gguf, training_context
-
-        trained = training_context(open_gguf(source.gguf.path))
-    else:
-        config = _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
-        trained = kv_cache.training_context_from_config(config)
+    trained = source_training_context(source)
     if arch not in nbl_format.WINDOW_ARCHITECTURES:
         raise NblError(f"--windows: the patched llama.cpp runs window layers for "
                        f"{', '.join(nbl_format.WINDOW_ARCHITECTURES)}; {source.name} is a '{arch}' model")
