@@ -1,7 +1,7 @@
-"""The answer loss (nats per answer token, in PyTorch) of window sets on three kinds of retrieval prompt:
-the walk's probes with other keys and depths, the same with a filler of one sentence repeated, and the
-passkey prompts of measurement.passkey. For each m: no windows, the walk's first m layers (the choice's
-"order"), the first m by cost on text alone.
+"""The answer loss (nats per answer token, in PyTorch) of window sets, or of sets of replaced layers, on three
+kinds of retrieval prompt: the walk's probes with other keys and depths, the same with a filler of one sentence
+repeated, and the passkey prompts of measurement.passkey. For each m: no windows, the walk's first m layers (the
+choice's "order"), the first m by cost on text alone.
 
     python docs/results/experiments/window_probe_check.py --model MODEL.gguf \
         --choice docs/results/window/NAME/choice-retrieval-0.15.json --m 15 > OUT.txt
@@ -10,6 +10,13 @@ Or given window sets (W and S from --size/--sinks), the probes at chosen depths,
 
     python docs/results/experiments/window_probe_check.py --model MODEL.gguf --sets "19=0-9,12,14,15,17-21,23;..." \
         --depths 0.0,0.25,0.75 --kinds probes,passkey > OUT.txt
+
+Sets of layers replaced by a calibration's maps (as a file of its --taps carries them) instead of windows, the
+probes hidden in the held-out evaluation text (docs/results/recall.md):
+
+    python docs/results/experiments/window_probe_check.py --model MODEL --calibration CAL \
+        --sets "best=0,19,27,29;checked=0,21,27,29" --part evaluation --texts 2 --seed 7 --depths 0.25,0.75 \
+        --ctx 4096 --kinds probes
 """
 
 from __future__ import annotations
@@ -45,6 +52,12 @@ def main() -> int:
                         help="which prompts: probes (facts in the texts), repeated (the same facts in one sentence "
                              "repeated), passkey (measurement.passkey's own prompts: the evaluation's)")
     parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--calibration", default=None,
+                        help="with --sets: the sets are replaced layers, with this calibration's maps (not windows)")
+    parser.add_argument("--part", choices=("selection", "evaluation"), default="selection",
+                        help="the bundled text the probes hide their facts in (default: selection, the walk's)")
+    parser.add_argument("--texts", type=int, default=1, help="windows of text per kind")
+    parser.add_argument("--seed", type=int, default=1, help="the probes' names and keys")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
@@ -52,7 +65,7 @@ def main() -> int:
 
     from nbl_gguf import models
     from nbl_gguf.calibration.apply import ATTN_WINDOW
-    from nbl_gguf.calibration.dataset import KINDS, bundled_selection_windows
+    from nbl_gguf.calibration.dataset import KINDS, build_windows, kind_texts
     from nbl_gguf.calibration.stream import LayerStream
     from nbl_gguf.calibration.variants import run_variants
     from nbl_gguf.calibration.windows import Window, repeated_filler, retrieval_probes
@@ -63,12 +76,20 @@ def main() -> int:
     stream = LayerStream(resolve_model(args.model), models.resolve_dtype("auto", "cpu"), "cpu")
     tokenizer = stream.tokenizer
     names, variants = ["no windows"], [{}]
+    maps, layer_type = None, ATTN_WINDOW
+    if args.calibration:
+        from nbl_gguf.calibration.artifact import load_artifact
+        from nbl_gguf.calibration.best_at import map_reader
+
+        artifact = load_artifact(args.calibration)
+        layer_type, maps = map_reader(artifact, artifact.report["selection"]["method"], artifact.taps)
+        names = ["unmodified"]
     if args.sets:
         window = Window(args.size, args.sinks)
         for item in args.sets.split(";"):
             label, _, layers = item.partition("=")
             names.append(label)
-            variants.append({i: ATTN_WINDOW for i in parse_layers(layers)})
+            variants.append({i: layer_type for i in parse_layers(layers)})
     else:
         choice = json.loads(args.choice.read_text())
         increases = {int(k): v for k, v in choice["increases"].items()}
@@ -79,14 +100,15 @@ def main() -> int:
             variants += [{i: ATTN_WINDOW for i in choice["order"][:m]}, {i: ATTN_WINDOW for i in by_text[:m]}]
     depths = tuple(float(x) for x in args.depths.split(","))
 
-    ids, _ = bundled_selection_windows(tokenizer, {kind: 1 for kind in KINDS}, args.ctx)
+    ids = torch.cat([build_windows(tokenizer, kind_texts(kind, args.part), args.texts, args.ctx,
+                                   name=f"bundled {kind} text").input_ids for kind in KINDS])
     repeated = repeated_filler(ids)  # one sentence-sized piece of each text, repeated
     kinds = set(args.kinds.split(","))
     sets = {}
     if "probes" in kinds:
-        sets["probes, other keys"] = retrieval_probes(tokenizer, ids, window, depths=depths, seed=1)
+        sets["probes, other keys"] = retrieval_probes(tokenizer, ids, window, depths=depths, seed=args.seed)
     if "repeated" in kinds:
-        sets["probes, repeated filler"] = retrieval_probes(tokenizer, repeated, window, depths=depths, seed=1)
+        sets["probes, repeated filler"] = retrieval_probes(tokenizer, repeated, window, depths=depths, seed=args.seed)
     for label, probes in sets.items():
         print(f"{label}: distances {list(probes.distances)} (text-major, depths {list(depths)})", flush=True)
 
@@ -109,7 +131,7 @@ def main() -> int:
     if "passkey" in kinds:
         prompts.append(("passkey prompts", (passkey_ids, scored)))
     for label, (batch, mask) in prompts:
-        finals = run_variants(stream, batch, variants, lambda k, t: window)
+        finals = run_variants(stream, batch, variants, lambda k, t: window if t == ATTN_WINDOW else maps(k, t))
         stream.load_head()
         print(f"## {label}")
         for name, final in zip(names, finals):
