@@ -5,9 +5,10 @@ back. The held-out perplexity that the selection chooses by barely sees it: on S
 m = 4 (nmse's layers 0, 19, 27, 29 with past-token maps, +11.8% perplexity at 4,096 tokens) found 0/5 passkeys at
 4,096 tokens where the stock file finds 5/5, with per-token maps on those layers 0/5 too, and cosine's layers 6,
 25, 26, 28 5/5 (docs/results/frontier.md). The window walk's retrieval probes (windows.retrieval_probes: a code
-word and its number stated once in the selection text, asked for at the end) see it at 1,024 tokens already:
-answer loss 0.131 nats per token unmodified, 0.360 with nmse's four layers, 0.331 with layer 19 alone, 0.141 with
-cosine's four (docs/results/recall.md).
+word and its number stated once in the selection text, asked for at the end) see part of it at 1,024 tokens:
+answer loss 0.103 nats per token unmodified, 0.340 with nmse's four layers, 0.303 with layer 19 alone, 0.109 with
+cosine's four. The walk keeps recall of facts in held-out text, not the passkey, which SmolLM2's layer 0 carries
+and these probes barely see (docs/results/recall.md): hence off by default.
 
 So the walk of windows.guarded_walk, with replaced layers: the selection's layers in its criterion's order, then
 that criterion's next ones, each kept only while the probes' answer loss of the set so far with it stays within a
