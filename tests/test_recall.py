@@ -96,6 +96,13 @@ def test_convert_walks_the_selection_on_retrieval_probes(tiny, tmp_path, capsys)
         loss = whole_model_answer_loss(folder, artifact, guard["kept"][:step + 1])
         assert guard["losses"][step] == pytest.approx(loss, abs=1e-4) and loss <= guard["base_loss"] + first / 2
     assert "->" in capsys.readouterr().out
+    # inspect shows what the check did
+    assert cli.main(["inspect", str(tmp_path / "checked.gguf")]) == 0
+    shown = capsys.readouterr().out
+    assert (f"recall     layers {', '.join(map(str, checked['layers']))} from the selection's "
+            f"{', '.join(map(str, sorted(selected)))}; refused "
+            f"{', '.join(f'{k} ({v:.3f})' for k, v in guard['refused'].items())}" in shown)
+    assert f"probes' answer loss {guard['base_loss']:.3f} -> {guard['loss']:.3f} nats/token" in shown
 
 
 def test_the_check_is_refused_with_a_kv_budget(tmp_path):

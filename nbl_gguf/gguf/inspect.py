@@ -305,6 +305,15 @@ def calibration_lines(calibration) -> list[str]:
         lines = selection_lines(selection)
         rows.append(("selection", lines[0]))
         rows += [("", line) for line in lines[1:]]
+    recall = calibration.get("recall")
+    if isinstance(recall, dict) and isinstance(recall.get("retrieval"), dict):
+        guard = recall["retrieval"]
+        refused = ", ".join(f"{k} ({v:.3f})" for k, v in guard.get("refused", {}).items()) or "none"
+        rows.append(("recall", f"layers {_layers(recall.get('layers'))} from the selection's "
+                               f"{_layers(recall.get('selected'))}; refused {refused}"))
+        rows.append(("", f"probes' answer loss {guard.get('base_loss', float('nan')):.3f} -> "
+                         f"{guard.get('loss', float('nan')):.3f} nats/token (tolerance {guard.get('tolerance')}, "
+                         f"{guard.get('probes')} probes of {recall.get('ctx')} tokens)"))
     versions = calibration.get("versions")
     if isinstance(versions, dict) and versions:
         shown = {**versions}
@@ -321,7 +330,7 @@ def calibration_lines(calibration) -> list[str]:
                 lines[-1] += ", " + part
         rows += [("versions" if i == 0 else "", line) for i, line in enumerate(lines)]
     known = {"model", "model_type", "dtype", "source_gguf", "tokens", "dataset", "dataset_config", "split", "nsamples",
-             "seqlen", "documents", "text_sha256", "seed", "selection", "versions"}
+             "seqlen", "documents", "text_sha256", "seed", "selection", "versions", "recall"}
     rows += [(key, json.dumps(calibration[key], sort_keys=True)) for key in sorted(set(calibration) - known)]
     lines = [("calibration:   " if index == 0 else INDENT) + f"{label:<11s}{value}"
              for index, (label, value) in enumerate(rows)]
@@ -387,3 +396,7 @@ def format_text(info: dict, with_tensors: bool = False) -> str:
             shape = "x".join(str(n) for n in tensor["shape"])
             out.append(f"  {tensor['name']:<32s} {tensor['type']:<7s} {shape:<14s} {human_bytes(tensor['bytes'])}")
     return "\n".join(out)
+
+
+def _layers(layers) -> str:
+    return ", ".join(map(str, layers or [])) or "none"
