@@ -27,7 +27,6 @@ from nbl_gguf.calibration.windows import RetrievalGuard, Window, guarded_walk, r
 from nbl_gguf.errors import NblError
 
 DEFAULT_CTX = 1024  # tokens per probe (the training context if shorter): a replaced layer loses any distance
-DEFAULT_TOLERANCE = 0.15  # nats per answer token over the unmodified model's (as the window walk's)
 
 
 @dataclass

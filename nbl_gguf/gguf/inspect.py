@@ -258,7 +258,7 @@ def selection_lines(selection: dict) -> list[str]:
         chosen = heldout.get("criterion")
         width = max(len(name) for name in compared)
         for name, entry in compared.items():
-            layers = ", ".join(map(str, entry.get("layers", []))) or "none"
+            layers = _layers(entry.get("layers"))
             mark = "  <- chosen" if name == chosen else ""
             lines.append(f"  {name:<{width}s}  {entry.get('ppl_increase_pct', float('nan')):+7.1f}%  "
                          f"layers {layers}{mark}")
