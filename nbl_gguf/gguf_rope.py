@@ -118,7 +118,7 @@ def rope_scaling(header) -> dict | None:
                if field(f"rope.scaling.yarn_{key}") is not None]
         original = field("rope.scaling.original_context_length")
         if own or original is None:
-            raise NblError(f"it asks llama.cpp for yarn rope scaling "
+            raise NblError("it asks llama.cpp for yarn rope scaling "
                            + (f"with settings of its own ({', '.join(own)}), which transformers' GGUF loader does "
                               f"not read" if own else f"without {arch}.rope.scaling.original_context_length")
                            + ": the model transformers builds would rotate unlike llama.cpp's. Calibrate from the "

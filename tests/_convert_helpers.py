@@ -25,9 +25,10 @@ def calibrate_for_convert(directory: Path, model, args: argparse.Namespace) -> P
     return calibrate(calibration_settings(args, directory, model, args.taps))
 
 
-def save_tiny_llama(path: Path, n_layer: int = 4, seed: int = 0) -> Path:
-    """A tiny random LlamaForCausalLM (d=64) with the embedded SmolLM2 tokenizer (which the pinned
-    converter recognizes), saved as a HF folder at ``path``."""
+def save_tiny_llama(path: Path, n_layer: int = 4, seed: int = 0, n_head: int = 4) -> Path:
+    """A tiny random LlamaForCausalLM (d=64, 2 KV heads) with the embedded SmolLM2 tokenizer (which the pinned
+    converter recognizes), saved as a HF folder at ``path``. ``n_head=2`` gives heads of 32 values, which
+    llama.cpp's quantized KV caches need (a block of 32 a row)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -35,7 +36,7 @@ def save_tiny_llama(path: Path, n_layer: int = 4, seed: int = 0) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(models.default_model_dir())
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=n_layer,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_attention_heads=n_head, num_key_value_heads=2, max_position_embeddings=256,
                          rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)

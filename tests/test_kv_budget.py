@@ -13,6 +13,7 @@ from nbl_gguf.cli import main
 from nbl_gguf.errors import NblError
 from nbl_gguf.kv_cache import KvLayer, KvModel
 from nbl_gguf.llamacpp.cache_types import cache_type_flags
+from nbl_gguf.llamacpp.tools import source_dir
 from nbl_gguf.measurement import kv_budget
 
 
@@ -147,7 +148,8 @@ def test_the_budgets_window_sizes_show_at_its_context():
     assert budget_window_sizes(argparse.Namespace(runtime="stock", window_size=None), source, 8192) == ()
     assert budget_window_sizes(argparse.Namespace(runtime="nbl", window_size=[512, 64]), source, 4096) == (64, 512)
     with pytest.raises(NblError, match=r"--window-size 2048 with --kv-budget: .* 4,096 tokens"):
-        budget_window_sizes(argparse.Namespace(runtime="nbl", window_size=[2048]), source, 4096)
+        budget_window_sizes(argparse.Namespace(runtime="nbl", window_size=[2048], kv_budget="45MiB", total_budget=None),
+                            source, 4096)
     assert flags.one_window_size(None) == 512 and flags.one_window_size([64]) == 64
     with pytest.raises(NblError, match="--window-size 128,512: --windows takes one window size"):
         flags.one_window_size([128, 512])
@@ -423,7 +425,7 @@ def test_the_summary_gives_kv_and_run_flags_at_the_kv_type(tmp_path):
     assert f"run with: llama-cli -m {tmp_path / 'o.gguf'} -ctk q8_0 -ctv q8_0" in table
     assert "run with" not in Summary(**{**summary.__dict__, "kv_type": "f16"}).table()
     split = Summary(**{**summary.__dict__, "kv_type": "q8_0/q4_0"}).table()
-    assert f"-ctk q8_0 -ctv q4_0 (llama-cpp-python: type_k = GGML_TYPE_Q8_0, type_v = GGML_TYPE_Q4_0)" in split
+    assert "-ctk q8_0 -ctv q4_0 (llama-cpp-python: type_k = GGML_TYPE_Q8_0, type_v = GGML_TYPE_Q4_0)" in split
 
 
 def test_the_summary_gives_kv_and_run_flags_at_the_micro_batch(tmp_path):
@@ -557,3 +559,133 @@ def test_the_log_estimates_the_candidates_time_from_the_stock_files_own(monkeypa
     assert [line for line in lines if "will take" in line] == [
         f"kv budget: stock measured in 400 s (perplexity); the {len(found)} candidates' perplexities will take "
         f"about {len(found) * 400 / 60:.0f} min"]
+
+
+# --- --total-budget: the weights and the KV cache together ---------------------------------------------------
+
+def _weights(path) -> int:
+    from nbl_gguf.gguf.metadata import open_gguf, weight_bytes
+
+    return weight_bytes(open_gguf(path))
+
+
+def test_weight_bytes_are_what_the_tensors_take_in_the_file(tiny_gguf):
+    """metadata.weight_bytes against gguf-py's own reader: each tensor's data, the metadata apart."""
+    import gguf
+
+    reader = gguf.GGUFReader(tiny_gguf)
+    assert _weights(tiny_gguf) == sum(int(tensor.n_bytes) for tensor in reader.tensors)
+    assert _weights(tiny_gguf) < tiny_gguf.stat().st_size
+
+
+def test_bad_total_budgets_are_refused_before_any_work(tiny_gguf, tmp_path, capsys):
+    out, weights = tmp_path / "out.gguf", _weights(tiny_gguf)
+    fits_kv = f"{weights + (150 << 10)}"  # bytes: the weights and 150 KiB of cache
+    cases = [(["--total-budget", fits_kv, "--kv-budget", "150KiB"], "give one (the total holds the weights"),
+             (["--total-budget", f"{weights + (10 << 10)}"],
+              f"cannot be met: the weights take {weights / 2 ** 20:,.2f} MiB and the smallest KV cache reachable is "
+              f"0.04 MiB"),
+             (["--total-budget", "100MiB"], f"is met by the stock model as it is with its weights "
+                                           f"({weights / 2 ** 20:,.2f} MiB)"),
+             (["--total-budget", fits_kv, "--m", "2"], "--m 2 and --total-budget: the budget chooses m"),
+             (["--total-budget", fits_kv, "--windows", "2"], "--windows and --total-budget"),
+             (["--total-budget", "lots"], "--total-budget 'lots': expected a size")]
+    for extra, message in cases:
+        assert main(["convert", "--model", str(tiny_gguf), *extra, "-o", str(out)]) == 2
+        assert message in capsys.readouterr().err
+        assert not out.exists()
+
+
+def test_a_hf_model_with_an_imatrix_is_refused_before_any_work(tmp_path, capsys):
+    from _convert_helpers import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "tiny-llama")
+    out = tmp_path / "out.gguf"
+    assert main(["convert", "--model", str(folder), "--total-budget", "5MiB", "--imatrix", "-o", str(out)]) == 2
+    assert "--total-budget and --imatrix" in capsys.readouterr().err
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["tiny-llama"]
+
+
+def test_candidates_whose_own_weights_do_not_fit_the_total_are_left_out():
+    model = _model()
+    found = kv_budget.candidates(model, 8192, 7 << 20, [0, 2, 4, 1, 3])
+    assert len(found) >= 2
+    heavy, light = found[0], found[1]
+    weights = {heavy: 10 << 20, light: 1 << 20} | {c: 1 << 20 for c in found[2:]}
+    total = max(c.kv_bytes for c in found) + (2 << 20)
+    logged = []
+    kept = kv_budget.within_total({c: f"{i}.gguf" for i, c in enumerate(found)}, weights, total, log=logged.append)
+    assert heavy not in kept and set(kept) == set(found[1:])
+    assert kept[light] == "1.gguf"
+    assert len(logged) == 1 and logged[0].startswith(f"kv budget: {heavy.label}: left out, its weights 10.00 MiB")
+
+
+@pytest.mark.llama
+def test_convert_meets_a_total_budget_as_llama_cpp_loads_and_allocates_it(tiny_gguf, tmp_path, monkeypatch, capsys):
+    """The weights and 150 KiB of KV cache: the KV share is what --kv-budget 150KiB meets (the test above), and
+    each candidate's own weights count. The chosen file's weights and cache, as llama-bench reports them
+    (model_size; the KV cache llama.cpp allocates with the chosen type), fit the total."""
+    from nbl_gguf.gguf.inspect import human_bytes
+    from nbl_gguf.measurement.llama_bench import run_llama_bench
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    out, weights = tmp_path / "out.gguf", _weights(tiny_gguf)
+    total = weights + (150 << 10)
+    assert main(["convert", "--model", str(tiny_gguf), "--total-budget", str(total), "--kv-budget-passkey", "off",
+                 "--nsamples", "8", "--seqlen", "64", "--no-progress", "--threads", "1", "--eval-chunks", "1",
+                 "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert (f"Total budget {human_bytes(total)} (weights and KV cache; the stock file's weights "
+            f"{human_bytes(weights)} leave 150.00 KiB for the KV cache) at 1,024 tokens") in printed
+    lines = [line for line in printed.splitlines() if line.startswith("    NBL m = ") or line.startswith("    stock, KV")]
+    left_out = [line for line in printed.splitlines() if ": left out, its weights " in line]
+    labels = {line.split("  KV ")[0].strip() for line in lines} | {line.split(": ")[1] for line in left_out}
+    # the candidates of --kv-budget 150KiB, less those logged as too heavy
+    assert labels == {"NBL m = 3, KV f16", "NBL m = 2, KV q8_0", "NBL m = 2, KV q8_0/q4_0", "stock, KV q4_0"}
+    for line in lines:  # "weights X  total Y" with Y = X + KV, within the total
+        shown = line.split("  total ")[1].split("iB")[0] + "iB"
+        assert kv_budget.parse_size(shown.replace(" ", "")) <= total + 0.01 * 2 ** 10
+    chosen = next(line for line in lines if line.endswith("<- chosen"))
+    kv_type = chosen.split("KV ")[1].split()[0].rstrip(",")
+    records, _ = run_llama_bench(out, n_prompt=16, n_gen=8, depth=1000, repetitions=1, threads=1, backend="cpu",
+                                 cache_type=kv_type)
+    assert records[0]["kv_cells"] == 1024
+    assert records[0]["model_size"] + records[0]["kv_mib"] * 2 ** 20 <= total + 0.01 * 2 ** 20
+    assert records[0]["model_size"] == _weights(out)
+
+
+@pytest.mark.skipif(not (source_dir() / "convert_hf_to_gguf.py").is_file(),
+                    reason="pinned llama.cpp source not unpacked (scripts/build_llama.sh)")
+def test_a_hf_models_total_budget_takes_the_weights_of_its_stock_file(tmp_path, monkeypatch, capsys):
+    """A HF model: the stock file is made first, and the budget's KV share is the total less that file's weights,
+    here made apart by the pinned converter and llama-quantize (the same tensors whatever the intermediate
+    type). 100 KiB of cache at 256 tokens: the stock model needs 256 KiB in F16, 136 KiB in q8_0, 72 KiB in q4_0."""
+    from _convert_helpers import save_tiny_llama
+    from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
+    from nbl_gguf.gguf.inspect import human_bytes
+    from nbl_gguf.gguf.quantize import quantize
+    from nbl_gguf.measurement.llama_bench import run_llama_bench
+
+    folder = save_tiny_llama(tmp_path / "tiny-llama", n_head=2)  # its tokenizer from the usual cache
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    apart = tmp_path / "apart"
+    apart.mkdir()
+    weights = _weights(quantize(convert_hf_to_gguf(folder, apart / "f32.gguf", "f32"), apart / "q8_0.gguf", "q8_0"))
+    work = tmp_path / "work"
+    work.mkdir()
+    out, total = work / "out.gguf", weights + (100 << 10)
+    assert main(["convert", "--model", str(folder), "--quant", "q8_0", "--total-budget", str(total),
+                 "--kv-budget-passkey", "off", "--nsamples", "8", "--seqlen", "64", "--no-progress", "--threads", "1",
+                 "--eval-chunks", "1", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert (f"the stock file's weights {human_bytes(weights)} leave 100.00 KiB for the KV cache) at 256 tokens"
+            in printed), printed
+    stages = [line.split()[0] for line in printed.split("time and memory")[1].splitlines()[1:]]
+    assert stages[:3] == ["stock", "quantize", "calibrate"]  # "stock conversion", "quantize stock", then the rest
+    assert [p.name for p in work.iterdir()] == ["out.gguf"]  # the stock file's folder is gone
+    chosen = next(line for line in printed.splitlines() if line.endswith("<- chosen"))
+    kv_type = chosen.split("KV ")[1].split()[0].rstrip(",")
+    records, _ = run_llama_bench(out, n_prompt=16, n_gen=8, depth=200, repetitions=1, threads=1, backend="cpu",
+                                 cache_type=kv_type)
+    assert records[0]["kv_cells"] == 256
+    assert records[0]["model_size"] + records[0]["kv_mib"] * 2 ** 20 <= total + 0.01 * 2 ** 20

@@ -21,7 +21,6 @@ def run_variants(stream: LayerStream, ids: torch.Tensor, variants: list[dict[int
     layer k, kept from the calibration (then no layer before the first replacement is run); None: the
     unmodified track is computed here from the embedding. ``linear(k, layer_type)``: (W, b) of layer k's
     map of that type (attention or whole block), or its calibration.taps.TapsMap (ATTN_TAPS)."""
-    shape = (ids.shape[0], ids.shape[1], stream.hidden_size)
     keys = [frozenset(variant.items()) for variant in variants]
     empty = frozenset()
     tracks: dict[frozenset, torch.Tensor] = {}

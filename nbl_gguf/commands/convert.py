@@ -103,8 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the KV cache budget at --ctx-size (e.g. 640MiB, 1.5GiB): convert chooses the KV type "
                              "(f16, q8_0, q4_0) and m, each type with the fewest layers that fit, by measured held-out "
                              "perplexity at a long context (the stock file with a quantized cache among them)")
+    parser.add_argument("--total-budget", default=None, metavar="SIZE",
+                        help="the memory the model takes at --ctx-size (e.g. 6GiB): its weights, the file's tensors "
+                             "as llama.cpp loads them, plus its KV cache as llama.cpp allocates it; convert chooses "
+                             "as --kv-budget does, within what the stock file's weights leave, and leaves out a "
+                             "candidate whose own weights take more (llama.cpp's compute buffers not counted)")
     parser.add_argument("--kv-budget-passkey", choices=("on", "off"), default="on",
-                        help="--kv-budget: also give each candidate and the stock file the passkey test at the "
+                        help="--kv-budget, --total-budget: also give each candidate and the stock file the passkey test at the "
                              "measurement's context, with the candidate's cache type; one that finds fewer keys "
                              "than stock ranks after those that find as many (default: on; off saves about 5 "
                              "prompts of that length per candidate)")
@@ -234,6 +239,41 @@ def intermediate_type(args, quant: str, model_dir: Path) -> str:
     return quant.lower() if quant in FLOAT_TYPES else args.intermediate or default_intermediate(model_dir)
 
 
+def make_stock(args, source, quant: str, artifact, tmp: Path, stage) -> tuple[Path, Path | None]:
+    """(the stock GGUF of a HF model at ``quant``, in ``tmp``, the imatrix it was quantized with or None); each
+    step in a ``stage(name)``. Only one float file is ever on disk."""
+    from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
+    from nbl_gguf.gguf.quantize import compute_imatrix, quantize
+
+    model_dir, imatrix = source.hf_folder(), None
+    intermediate = intermediate_type(args, quant, model_dir)
+    with stage("stock conversion"):
+        stock = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
+    if quant in FLOAT_TYPES:
+        return stock, None
+    if args.imatrix:
+        with stage("imatrix"):
+            ctx = imatrix_context(artifact)
+            imatrix = compute_imatrix(stock, calibration_texts(args, artifact, ctx), tmp / "imatrix.gguf", ctx=ctx,
+                                      chunks=args.imatrix_chunks, threads=args.threads, seed=args.seed)
+    with stage("quantize stock"):
+        quantized = quantize(stock, tmp / f"stock-{quant}.gguf", quant, imatrix=imatrix, threads=args.threads)
+    stock.unlink()
+    return quantized, imatrix
+
+
+def convert_stock_first(args, source, quant: str, output: Path) -> Summary:
+    """--total-budget of a HF model: the budget is the stock file's weights and a KV cache, and how many layers the
+    calibration must go to depends on what the weights leave, so the stock file is made first; the rest runs as
+    with that file for --stock-gguf."""
+    meter = StageMeter()
+    with tempfile.TemporaryDirectory(prefix=f".{output.name}.stock-", dir=output.parent) as tmp:
+        stock, _ = make_stock(args, source, quant, None, Path(tmp), meter)  # no imatrix: check_kv_budget refused it
+        summary = convert(argparse.Namespace(**(vars(args) | {"stock_gguf": str(stock), "intermediate": None})))
+    summary.resources = {**meter.stages, **summary.resources}
+    return summary
+
+
 def convert(args) -> Summary:
     from tqdm import tqdm
 
@@ -241,10 +281,10 @@ def convert(args) -> Summary:
     from nbl_gguf.calibration.calibrate import calibrate
     from nbl_gguf.calibration.report import describe_artifact
     from nbl_gguf.gguf import nbl_format
-    from nbl_gguf.gguf.hf_to_gguf import check_conversion_space, check_hf_folder, convert_hf_to_gguf, model_shape
+    from nbl_gguf.gguf.hf_to_gguf import check_conversion_space, check_hf_folder, model_shape
     from nbl_gguf.gguf.metadata import kv_sizes, open_gguf, taps_state, training_context
-    from nbl_gguf.gguf.quantize import compute_imatrix, quantize
 
+    asked = args  # as given: the checks below fill in what a budget chooses
     # cheap checks first: a typo must not cost a calibration
     method = check_method(args.method)
     output = Path(args.output)
@@ -284,15 +324,18 @@ def convert(args) -> Summary:
                                output.resolve().parent, quantized=quant not in FLOAT_TYPES)
     if args.nbl_type is not None and method == "attn-nbl":
         nbl_format.parse_weight_type(args.nbl_type, hidden)
-    if args.kv_budget is None:  # --windows' one size (the budget reads the list: budget_window_sizes)
+    budgeted = budget_flag(args)
+    if budgeted is None:  # --windows' one size (the budget reads the list: budget_window_sizes)
         args = argparse.Namespace(**(vars(args) | {"window_size": flags.one_window_size(args.window_size)}))
     window_ctx = check_windows(args, source, n_layer)
-    if args.kv_budget is None and args.kv_budget_passkey != "on":
-        raise NblError("--kv-budget-passkey means nothing without --kv-budget")
-    budget = check_kv_budget(args, source, n_layer) if args.kv_budget is not None else None
+    if budgeted is None and args.kv_budget_passkey != "on":
+        raise NblError("--kv-budget-passkey means nothing without --kv-budget or --total-budget")
+    # --total-budget of a HF model: the stock file's weights are known once it is made (convert_stock_first)
+    stock_first = args.total_budget is not None and source.gguf is None and args.stock_gguf is None
+    budget = check_kv_budget(args, source, n_layer, stock_first) if budgeted is not None else None
     if budget is not None and args.nbl_retrieval is not None:
-        raise NblError("--nbl-retrieval with --kv-budget: the budget checks each candidate's recall itself "
-                       "(--kv-budget-passkey)")
+        raise NblError(f"--nbl-retrieval with {budgeted}: the budget checks each candidate's recall itself "
+                       f"(--kv-budget-passkey)")
     if budget is not None:
         args = argparse.Namespace(**(vars(args) | {"m": budget.most_layers}))  # the calibration goes that far
     m, _ = selection_budget(args.m, args.max_ppl_increase)
@@ -320,6 +363,9 @@ def convert(args) -> Summary:
 
         check_refine(args, method)
         refine_plan = planned(source, calibration_settings(args, output.parent, model, taps), flags.refine_settings(args))
+
+    if stock_first:
+        return convert_stock_first(asked, source, quant, output)
 
     steps = ["calibrate"] if calibrating else ["load calibration"] if args.calibration else []
     if source.gguf is None and args.stock_gguf is None:
@@ -412,23 +458,8 @@ def convert(args) -> Summary:
             stock_final = Path(args.stock_gguf)  # made as below, by whoever asked (checked in check_stock_gguf)
         else:
             # 2. the stock conversion, quantized before the surgery: the NBL file keeps the stock file's tensor
-            # types, as for a GGUF --model, and only one float file is ever on disk
-            model_dir = source.hf_folder()
-            intermediate = intermediate_type(args, quant, model_dir)
-            with stage("stock conversion"):
-                stock_final = convert_hf_to_gguf(model_dir, tmp / f"stock-{intermediate}.gguf", intermediate)
-            if quant not in FLOAT_TYPES:
-                stock_float = stock_final
-                if args.imatrix:
-                    with stage("imatrix"):
-                        ctx = imatrix_context(artifact)
-                        imatrix = compute_imatrix(stock_float, calibration_texts(args, artifact, ctx),
-                                                  tmp / "imatrix.gguf", ctx=ctx, chunks=args.imatrix_chunks,
-                                                  threads=args.threads, seed=args.seed)
-                with stage("quantize stock"):
-                    stock_final = quantize(stock_float, tmp / f"stock-{quant}.gguf", quant, imatrix=imatrix,
-                                           threads=args.threads)
-                stock_float.unlink()
+            # types, as for a GGUF --model
+            stock_final, imatrix = make_stock(args, source, quant, artifact, tmp, stage)
 
         kv_type, budget_report = args.kv_type, None
         if budget is not None:
@@ -520,9 +551,10 @@ def check_refine(args, method: str) -> None:
     if args.runtime != "nbl":
         raise NblError("--refine tunes the NBL layout's maps (with bias); --runtime stock writes bias-free maps, which "
                        "are not refined: use --runtime nbl")
-    if args.kv_budget is not None:
-        raise NblError("--refine with --kv-budget: the budget measures several sets of layers, and a refinement holds "
-                       "for one; choose the set with --kv-budget first, then convert it with --m and --refine")
+    if budget_flag(args) is not None:
+        raise NblError(f"--refine with {budget_flag(args)}: the budget measures several sets of layers, and a "
+                       f"refinement holds for one; choose the set with the budget first, then convert it with --m and "
+                       f"--refine")
 
 
 def nbl_layers(artifact, args, source, method: str, n_layer: int, taps: int, selected: list[int]):
@@ -602,8 +634,9 @@ def check_windows(args, source, n_layer: int) -> int | None:
     if args.runtime != "nbl":
         raise NblError(f"--windows and --runtime {args.runtime}: window layers need the patched llama.cpp "
                        f"(--runtime nbl)")
-    if args.kv_budget is not None:
-        raise NblError("--windows and --kv-budget: the budget does not choose window layers yet (leave one out)")
+    if budget_flag(args) is not None:
+        raise NblError(f"--windows and {budget_flag(args)}: the budget chooses its window layers itself (leave one "
+                       f"out)")
     arch = source_architecture(source)
     trained = source_training_context(source)
     if arch not in nbl_format.WINDOW_ARCHITECTURES:
@@ -699,7 +732,7 @@ def budget_window_sizes(args, source, ctx: int) -> tuple[int, ...]:
         return tuple(size for size in BUDGET_WINDOW_SIZES if ctx > 2 * size)
     for size in sizes:
         if ctx <= 2 * size:
-            raise NblError(f"--window-size {size} with --kv-budget: the candidates are measured at {ctx:,} tokens, "
+            raise NblError(f"--window-size {size} with {budget_flag(args)}: the candidates are measured at {ctx:,} tokens, "
                            f"and a window only shows past its size (at most {(ctx - 1) // 2:,} here)")
     return tuple(sorted(set(sizes)))
 
@@ -719,35 +752,50 @@ def budget_window_order(args, source, n_layer: int, ctx: int, size: int, needed:
     return choice.order, len(choice.retrieval.kept), choice.global_recall
 
 
-# --- --kv-budget ---------------------------------------------------------------------------------------
+# --- --kv-budget, --total-budget ---------------------------------------------------------------------------
+
+def budget_flag(args) -> str | None:
+    """The budget option given (--kv-budget or --total-budget, one at the most), or None."""
+    if args.kv_budget is not None and args.total_budget is not None:
+        raise NblError(f"--kv-budget {args.kv_budget} and --total-budget {args.total_budget}: give one (the total "
+                       f"holds the weights and the KV cache)")
+    return "--kv-budget" if args.kv_budget is not None else "--total-budget" if args.total_budget is not None else None
+
 
 @dataclass(frozen=True)
 class KvBudget:
-    bytes: int
+    bytes: int  # the KV cache's share: --kv-budget, or --total-budget less the stock file's weights
     n_ctx: int  # the context the budget holds at
     model: object  # kv_cache.KvModel of the stock model
     most_layers: int  # the calibration's m: no cache type needs more layers than this to fit
     eval_ctx: int  # the long context the candidates are measured at
     window_sizes: tuple[int, ...] = ()  # the window sizes of its window candidates (budget_window_sizes)
     n_ubatch: int = kv_cache.DEFAULT_UBATCH  # the micro-batch the file will run with (-ub): window caches hold one
+    total: int | None = None  # --total-budget: weights and KV cache together
+    weights: int | None = None  # with it, the stock file's weights (metadata.weight_bytes)
 
 
-def check_kv_budget(args, source, n_layer: int) -> KvBudget:
-    """--kv-budget: parsed, its companions checked, and refused by name when nothing can meet it (before
-    any calibration)."""
+def check_kv_budget(args, source, n_layer: int, weights_unknown: bool = False) -> KvBudget:
+    """--kv-budget or --total-budget: parsed, its companions checked, and refused by name when nothing can meet
+    it (before any calibration). ``weights_unknown``: a --total-budget whose stock file is not made yet
+    (convert_stock_first), checked as if the weights took nothing; the run with that file checks it again."""
     import json as _json
 
     from nbl_gguf.measurement import kv_budget
 
+    flag = budget_flag(args)
     if args.m is not None:
-        raise NblError(f"--m {args.m} and --kv-budget: the budget chooses m (leave --m out)")
+        raise NblError(f"--m {args.m} and {flag}: the budget chooses m (leave --m out)")
     if args.kv_type != "f16":
-        raise NblError(f"--kv-type {args.kv_type} and --kv-budget: the budget chooses the KV type among "
+        raise NblError(f"--kv-type {args.kv_type} and {flag}: the budget chooses the KV type among "
                        f"{', '.join(kv_budget.KV_TYPES)} (leave --kv-type out)")
     if args.calibration:
-        raise NblError("--kv-budget measures its candidates on a calibration made to their depth: leave out "
-                       "--calibration")
-    size = kv_budget.parse_size(args.kv_budget)
+        raise NblError(f"{flag} measures its candidates on a calibration made to their depth: leave out "
+                       f"--calibration")
+    if weights_unknown and args.imatrix:
+        raise NblError("--total-budget and --imatrix: the budget needs the stock file's weights before the calibration "
+                       "that the imatrix reads; quantize the stock file with llama-quantize --imatrix and give it as "
+                       "--stock-gguf")
     if source.gguf is not None:
         from nbl_gguf.gguf.metadata import open_gguf, stock_kv_model, training_context
 
@@ -757,14 +805,31 @@ def check_kv_budget(args, source, n_layer: int) -> KvBudget:
         config = _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
         model, trained = kv_cache.model_from_config(config), kv_cache.training_context_from_config(config)
     n_ctx = args.ctx_size or trained or SUMMARY_CTX
+    total = weights = None
+    if flag == "--kv-budget":
+        size = kv_budget.parse_size(args.kv_budget)
+    else:
+        from nbl_gguf.gguf.metadata import open_gguf, weight_bytes
+
+        total = kv_budget.parse_size(args.total_budget, flag)
+        weights = 0 if weights_unknown else weight_bytes(
+            open_gguf(source.gguf.path if source.gguf is not None else args.stock_gguf))
+        size = total - weights
+        smallest = kv_budget.smallest_reachable(model, n_ctx, n_layer - 1, args.ubatch_size)
+        if size < smallest:
+            held = f"the weights take {kv_budget.format_mib(weights)} and " if weights else ""
+            raise NblError(f"--total-budget {args.total_budget} at {n_ctx:,} tokens cannot be met: {held}the smallest "
+                           f"KV cache reachable is {kv_budget.format_mib(smallest)} (a {kv_budget.KV_TYPES[-1]} cache "
+                           f"with {n_layer - 1} of {n_layer} layers replaced); raise the budget or lower --ctx-size")
     most = kv_budget.check_reachable(model, n_ctx, size, n_layer - 1, args.ubatch_size)
-    if most == 0:
-        raise NblError(f"--kv-budget {args.kv_budget} at {n_ctx:,} tokens is met by the stock model as it is "
-                       f"({kv_budget.format_mib(kv_budget.kv_bytes(model, n_ctx, 'f16', n_ubatch=args.ubatch_size))} "
-                       f"with an F16 cache): "
-                       f"nothing to replace")
+    if most == 0 and not weights_unknown:
+        stock_kv = kv_budget.kv_bytes(model, n_ctx, 'f16', n_ubatch=args.ubatch_size)
+        held = f" with its weights ({kv_budget.format_mib(weights)})" if weights else ""
+        raise NblError(f"{flag} {args.kv_budget or args.total_budget} at {n_ctx:,} tokens is met by the stock model "
+                       f"as it is{held} ({kv_budget.format_mib(stock_kv)} with an F16 cache): nothing to replace")
     eval_ctx = min(BUDGET_CTX, n_ctx, trained or n_ctx)
-    return KvBudget(size, n_ctx, model, most, eval_ctx, budget_window_sizes(args, source, eval_ctx), args.ubatch_size)
+    return KvBudget(size, n_ctx, model, most, eval_ctx, budget_window_sizes(args, source, eval_ctx), args.ubatch_size,
+                    total, weights)
 
 
 def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer, taps, stock: Path, imatrix,
@@ -791,7 +856,9 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
                                  recall.ranking if recall is not None else (), budget.n_ubatch)
     if not found:
         deepest = kv_budget.kv_bytes(budget.model, budget.n_ctx, kv_budget.KV_TYPES[-1], order, n_ubatch=budget.n_ubatch)
-        raise NblError(f"--kv-budget {args.kv_budget} at {budget.n_ctx:,} tokens: the layers the calibration chose "
+        given = (f"--kv-budget {args.kv_budget}" if budget.total is None else
+                 f"--total-budget {args.total_budget} ({kv_budget.format_mib(budget.bytes)} for the KV cache)")
+        raise NblError(f"{given} at {budget.n_ctx:,} tokens: the layers the calibration chose "
                        f"reach {kv_budget.format_mib(deepest)} at the least ({kv_budget.KV_TYPES[-1]} cache, "
                        f"{budget.most_layers} layers replaced); raise the budget")
     files = {}
@@ -806,13 +873,22 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
         path = files[candidate] = tmp / f"budget-{name}.gguf"
         if not path.is_file():
             surgery(stock, path, budget_layers(candidate, artifact, args, source, method, n_layer, taps), args, imatrix)
+    weights = {}
+    if budget.total is not None:
+        from nbl_gguf.gguf.metadata import open_gguf, weight_bytes
+
+        weights = {candidate: weight_bytes(open_gguf(path)) for candidate, path in files.items()}
+        files = kv_budget.within_total(files, weights, budget.total)
+        if not files:
+            raise NblError(f"--total-budget {args.total_budget}: no candidate's weights and KV cache fit (each is "
+                           f"logged above); raise the budget or lower --ctx-size")
     # enough for the chunks at any tokenizer's length of token (llama-perplexity wants 2 x ctx tokens)
     chars = CHARS_PER_TOKEN_BOUND * 2 * budget.eval_ctx * BUDGET_CHUNKS
     texts = {kind: write_selection_text(kind, tmp / f"budget-{kind}.txt", chars) for kind in KINDS}
     depths = DEPTHS if args.kv_budget_passkey == "on" else ()  # eval --passkey's default depths
     base, measured, stock_found = kv_budget.measure(stock, files, texts, budget.eval_ctx, BUDGET_CHUNKS, args.threads,
                                                     recall_depths=depths)
-    report = {"bytes": budget.bytes, "n_ctx": budget.n_ctx, "n_ubatch": budget.n_ubatch, "eval_ctx": budget.eval_ctx,
+    report = {"bytes": budget.bytes, "total_bytes": budget.total, "weight_bytes": budget.weights, "n_ctx": budget.n_ctx, "n_ubatch": budget.n_ubatch, "eval_ctx": budget.eval_ctx,
               "chunks": BUDGET_CHUNKS,
               "stock_ppl": base, "passkey_depths": list(depths), "stock_passkey_found": stock_found,
               "window_recall": recall.report() if recall is not None else None,
@@ -822,7 +898,8 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
                               "refused_windows": list(r.candidate.refused),
                               "recall_globals": list(r.candidate.recall_globals),
                               "recall_windowed": list(r.candidate.recall_windowed),
-                              "kv_bytes": r.candidate.kv_bytes, "passkey_found": r.found,
+                              "kv_bytes": r.candidate.kv_bytes, "weight_bytes": weights.get(r.candidate),
+                              "passkey_found": r.found,
                               "perplexity": r.perplexity, "change_pct": r.change_pct} for r in measured]}
     return measured[0].candidate, report
 

@@ -150,14 +150,20 @@ class Summary:
 
         b = self.budget
         ubatch = f" with -ub {b['n_ubatch']}" if b.get("n_ubatch", DEFAULT_UBATCH) != DEFAULT_UBATCH else ""
-        lines = [f"  KV budget {human_bytes(b['bytes'])} at {b['n_ctx']:,} tokens{ubatch}: each KV type with the fewest layers "
+        total = b.get("total_bytes")
+        budget = (f"KV budget {human_bytes(b['bytes'])}" if total is None else
+                  f"Total budget {human_bytes(total)} (weights and KV cache; the stock file's weights "
+                  f"{human_bytes(b['weight_bytes'])} leave {human_bytes(b['bytes'])} for the KV cache)")
+        lines = [f"  {budget} at {b['n_ctx']:,} tokens{ubatch}: each KV type with the fewest layers "
                  f"that fit, by held-out perplexity at {b['eval_ctx']:,} tokens ({b['chunks']} chunk of each kind's "
                  f"selection text) against stock with an F16 cache:"]
         width = max(len(c["label"]) for c in b["candidates"])
         asked, stock_found = len(b.get("passkey_depths") or ()), b.get("stock_passkey_found")
         for index, c in enumerate(b["candidates"]):
             keys = f"  passkey {c['passkey_found']}/{asked}" if c.get("passkey_found") is not None else ""
-            lines.append(f"    {c['label']:<{width}}  KV {human_bytes(c['kv_bytes']):>11}  {c['change_pct']:+7.2f}%"
+            weights = (f"  weights {human_bytes(c['weight_bytes']):>11}  total "
+                       f"{human_bytes(c['weight_bytes'] + c['kv_bytes']):>11}" if total is not None else "")
+            lines.append(f"    {c['label']:<{width}}  KV {human_bytes(c['kv_bytes']):>11}{weights}  {c['change_pct']:+7.2f}%"
                          + keys + ("  <- chosen" if index == 0 else ""))
         if any(c.get("refused_windows") for c in b["candidates"]):
             lines.append("    (a candidate with window layers the retrieval walk refused ranks after those without: "

@@ -225,3 +225,9 @@ def training_context(reader) -> int | None:
     arch = architecture_name(reader)
     value = read_field(reader, f"{arch}.context_length")
     return None if value is None else int(value)
+
+
+def weight_bytes(reader) -> int:
+    """The bytes of the file's tensors: what llama.cpp loads as the model's weights (llama-bench's model_size),
+    the metadata and the vocabulary apart."""
+    return sum(tensor.n_bytes for tensor in reader.tensors)

@@ -44,11 +44,11 @@ KV_TYPES = ("f16", "q8_0", "q8_0/q4_0", "q4_0")
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.I)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--kv-budget") -> int:
     """'640MiB', '0.5G', '2 GB', '1048576' -> bytes (K, M, G, T are powers of 1024, as llama.cpp prints them)."""
     match = _SIZE.match(str(text))
     if not match or float(match.group(1)) <= 0:
-        raise NblError(f"--kv-budget {text!r}: expected a size such as 640MiB, 0.5GiB or 600000000 (bytes)")
+        raise NblError(f"{flag} {text!r}: expected a size such as 640MiB, 0.5GiB or 600000000 (bytes)")
     power = " kmgt".index(match.group(2).lower() or " ")
     return int(float(match.group(1)) * 1024 ** power)
 
@@ -232,6 +232,21 @@ def windows_needed(model: KvModel, n_ctx: int, budget: int, window: tuple[int, i
 
 def format_mib(n: int) -> str:
     return f"{n / 2 ** 20:,.2f} MiB"
+
+
+def within_total(files: dict[Candidate, object], weights: dict[Candidate, int], total: int, log=print) -> dict:
+    """The ``files`` whose own weights (``weights``: bytes) and KV cache fit ``total`` bytes (--total-budget):
+    each candidate was chosen for the KV cache that the stock file's weights leave, and a file of replaced layers
+    carries maps instead of their attention, which can weigh more (past-token maps at a low rank, or a wide
+    model with few KV heads). The rest are logged and left out."""
+    kept = {}
+    for candidate, path in files.items():
+        if weights[candidate] + candidate.kv_bytes > total:
+            log(f"kv budget: {candidate.label}: left out, its weights {format_mib(weights[candidate])} and KV cache "
+                f"{format_mib(candidate.kv_bytes)} exceed the total budget of {format_mib(total)}")
+        else:
+            kept[candidate] = path
+    return kept
 
 
 def estimate_line(candidates: int, perplexity_s: float, passkey_s: float | None) -> str:
