@@ -634,7 +634,10 @@ def test_convert_meets_a_total_budget_as_llama_cpp_loads_and_allocates_it(tiny_g
     assert main(["convert", "--model", str(tiny_gguf), "--total-budget", str(total), "--kv-budget-passkey", "off",
                  "--nsamples", "8", "--seqlen", "64", "--no-progress", "--threads", "1", "--eval-chunks", "1",
                  "-o", str(out)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert (f"total budget: the stock file's weights take {weights / 2 ** 20:,.2f} MiB, leaving 0.15 MiB for the KV "
+            f"cache at 1,024 tokens") in captured.err
     assert (f"Total budget {human_bytes(total)} (weights and KV cache; the stock file's weights "
             f"{human_bytes(weights)} leave 150.00 KiB for the KV cache) at 1,024 tokens") in printed
     lines = [line for line in printed.splitlines() if line.startswith("    NBL m = ") or line.startswith("    stock, KV")]
@@ -674,6 +677,11 @@ def test_a_hf_models_total_budget_takes_the_weights_of_its_stock_file(tmp_path, 
     work = tmp_path / "work"
     work.mkdir()
     out, total = work / "out.gguf", weights + (100 << 10)
+    # a total the weights leave too little of: refused by name once they are known, nothing left behind
+    assert main(["convert", "--model", str(folder), "--quant", "q8_0", "--total-budget", str(weights + (10 << 10)),
+                 "-o", str(out)]) == 2
+    assert f"cannot be met: the weights take {weights / 2 ** 20:,.2f} MiB" in capsys.readouterr().err
+    assert list(work.iterdir()) == []
     assert main(["convert", "--model", str(folder), "--quant", "q8_0", "--total-budget", str(total),
                  "--kv-budget-passkey", "off", "--nsamples", "8", "--seqlen", "64", "--no-progress", "--threads", "1",
                  "--eval-chunks", "1", "-o", str(out)]) == 0

@@ -267,6 +267,7 @@ def convert_stock_first(args, source, quant: str, output: Path) -> Summary:
     calibration must go to depends on what the weights leave, so the stock file is made first; the rest runs as
     with that file for --stock-gguf."""
     meter = StageMeter()
+    print(f"total budget: the stock {quant} file first, whose weights decide the KV cache's share", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.stock-", dir=output.parent) as tmp:
         stock, _ = make_stock(args, source, quant, None, Path(tmp), meter)  # no imatrix: check_kv_budget refused it
         summary = convert(argparse.Namespace(**(vars(args) | {"stock_gguf": str(stock), "intermediate": None})))
@@ -336,6 +337,11 @@ def convert(args) -> Summary:
     if budget is not None and args.nbl_retrieval is not None:
         raise NblError(f"--nbl-retrieval with {budgeted}: the budget checks each candidate's recall itself "
                        f"(--kv-budget-passkey)")
+    if budget is not None and budget.total is not None and not stock_first:
+        from nbl_gguf.measurement.kv_budget import format_mib
+
+        print(f"total budget: the stock file's weights take {format_mib(budget.weights)}, leaving "
+              f"{format_mib(budget.bytes)} for the KV cache at {budget.n_ctx:,} tokens", file=sys.stderr)
     if budget is not None:
         args = argparse.Namespace(**(vars(args) | {"m": budget.most_layers}))  # the calibration goes that far
     m, _ = selection_budget(args.m, args.max_ppl_increase)
