@@ -821,13 +821,9 @@ def check_kv_budget(args, source, n_layer: int, weights_unknown: bool = False) -
         weights = 0 if weights_unknown else weight_bytes(
             open_gguf(source.gguf.path if source.gguf is not None else args.stock_gguf))
         size = total - weights
-        smallest = kv_budget.smallest_reachable(model, n_ctx, n_layer - 1, args.ubatch_size)
-        if size < smallest:
-            held = f"the weights take {kv_budget.format_mib(weights)} and " if weights else ""
-            raise NblError(f"--total-budget {args.total_budget} at {n_ctx:,} tokens cannot be met: {held}the smallest "
-                           f"KV cache reachable is {kv_budget.format_mib(smallest)} (a {kv_budget.KV_TYPES[-1]} cache "
-                           f"with {n_layer - 1} of {n_layer} layers replaced); raise the budget or lower --ctx-size")
-    most = kv_budget.check_reachable(model, n_ctx, size, n_layer - 1, args.ubatch_size)
+    most = kv_budget.check_reachable(model, n_ctx, size, n_layer - 1, args.ubatch_size,
+                                     given=f"--total-budget {args.total_budget}" if total is not None else None,
+                                     weights=weights or 0)
     if most == 0 and not weights_unknown:
         stock_kv = kv_budget.kv_bytes(model, n_ctx, 'f16', n_ubatch=args.ubatch_size)
         held = f" with its weights ({kv_budget.format_mib(weights)})" if weights else ""

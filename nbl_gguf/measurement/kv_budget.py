@@ -129,14 +129,17 @@ def smallest_reachable(model: KvModel, n_ctx: int, max_m: int, n_ubatch: int = D
     return kv_bytes(model, n_ctx, kv_type, largest_first[:max_m], n_ubatch=n_ubatch)
 
 
-def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int, n_ubatch: int = DEFAULT_UBATCH) -> int:
+def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int, n_ubatch: int = DEFAULT_UBATCH,
+                    given: str | None = None, weights: int = 0) -> int:
     """The layers the calibration must go to: most_layers_needed, or ``max_m`` where only some orders fit
     (which ones the calibration decides); an NblError naming the smallest cache that can be reached when
-    no order does."""
+    no order does. ``given``: the option as the user gave it, when ``budget`` is what is left of it after
+    ``weights`` (--total-budget)."""
     smallest = smallest_reachable(model, n_ctx, max_m, n_ubatch)
     if budget < smallest:
-        raise NblError(f"--kv-budget {format_mib(budget)} at {n_ctx:,} tokens cannot be met: the smallest KV cache reachable "
-                       f"is {format_mib(smallest)} (a {KV_TYPES[-1]} cache with {max_m} of {len(model.layers)} layers "
+        held = f"the weights take {format_mib(weights)} and " if weights else ""
+        raise NblError(f"{given or '--kv-budget ' + format_mib(budget)} at {n_ctx:,} tokens cannot be met: {held}the "
+                       f"smallest KV cache reachable is {format_mib(smallest)} (a {KV_TYPES[-1]} cache with {max_m} of {len(model.layers)} layers "
                        f"replaced); raise the budget or lower --ctx-size")
     needed = most_layers_needed(model, n_ctx, budget, max_m, n_ubatch)
     return max_m if needed is None else needed
