@@ -561,12 +561,49 @@ def test_the_log_estimates_the_candidates_time_from_the_stock_files_own(monkeypa
         f"about {len(found) * 400 / 60:.0f} min"]
 
 
-# --- --total-budget: the weights and the KV cache together ---------------------------------------------------
+# --- --total-budget: the weights, llama.cpp's buffers and the KV cache together -------------------------------
 
 def _weights(path) -> int:
     from nbl_gguf.gguf.metadata import open_gguf, weight_bytes
 
     return weight_bytes(open_gguf(path))
+
+
+def _held(path, n_ctx: int):
+    """What the convert sets aside for the stock file at ``n_ctx``: its weights and llama.cpp's buffers."""
+    from nbl_gguf.commands.convert import stock_held
+
+    return stock_held(path, n_ctx, 512)
+
+
+def _allocated_buffers(path, n_ctx: int, n_ubatch: int = 512, kv_type: str = "f16") -> float:
+    """MiB of compute and output buffers that llama-completion allocates for a context of these settings, as its log
+    says (a real context, in another process: the reference for library.context_buffers's projection)."""
+    import re
+
+    from nbl_gguf.llamacpp.tools import run_tool
+
+    done = run_tool("llama-completion", ["-m", path, "-c", n_ctx, "-ub", n_ubatch, "-n", 1, "-p", "hi", "-no-cnv",
+                                         "-t", 1, "-v", "--fit", "off", *cache_type_flags(kv_type)])
+    sizes = re.findall(r"(?:compute|output) buffer size =\s*([\d.]+) MiB", done.stdout + done.stderr)
+    assert len(sizes) == 2, sizes  # one context: its output buffer, then its compute buffer
+    return sum(map(float, sizes))
+
+
+@pytest.mark.llama
+def test_context_buffers_are_what_a_context_allocates(tiny_gguf):
+    """library.context_buffers projects without allocating (llama.cpp's no_alloc); a context that llama-completion
+    creates for real takes the same, to the 0.01 MiB it logs, and the projection is a bound. The compute buffer
+    grows with the micro-batch (the logits of each of its tokens)."""
+    from nbl_gguf.llamacpp.library import context_buffers
+
+    seen = {}
+    for n_ubatch, kv_type in [(512, "f16"), (64, "f16"), (64, "q8_0")]:
+        projected = context_buffers(tiny_gguf, n_ctx=1024, n_ubatch=n_ubatch, kv_type=kv_type).bytes / 2 ** 20
+        allocated = _allocated_buffers(tiny_gguf, 1024, n_ubatch, kv_type)
+        assert allocated <= projected <= allocated + 0.011, (n_ubatch, kv_type)
+        seen[n_ubatch] = allocated
+    assert seen[512] > 4 * seen[64]
 
 
 def test_weight_bytes_are_what_the_tensors_take_in_the_file(tiny_gguf):
@@ -578,15 +615,20 @@ def test_weight_bytes_are_what_the_tensors_take_in_the_file(tiny_gguf):
     assert _weights(tiny_gguf) < tiny_gguf.stat().st_size
 
 
+@pytest.mark.llama
 def test_bad_total_budgets_are_refused_before_any_work(tiny_gguf, tmp_path, capsys):
-    out, weights = tmp_path / "out.gguf", _weights(tiny_gguf)
-    fits_kv = f"{weights + (150 << 10)}"  # bytes: the weights and 150 KiB of cache
+    out, held = tmp_path / "out.gguf", _held(tiny_gguf, 1024)
+    assert held.weights == _weights(tiny_gguf) and held.buffers > 0
+    fits_kv = f"{held.bytes + (150 << 10)}"  # bytes: the weights, the buffers and 150 KiB of cache
     cases = [(["--total-budget", fits_kv, "--kv-budget", "150KiB"], "give one (the total holds the weights"),
-             (["--total-budget", f"{weights + (10 << 10)}"],
-              f"cannot be met: the weights take {weights / 2 ** 20:,.2f} MiB and the smallest KV cache reachable is "
-              f"0.04 MiB"),
+             (["--total-budget", f"{held.bytes + (10 << 10)}"],
+              f"cannot be met: the weights take {held.weights / 2 ** 20:,.2f} MiB, llama.cpp's compute and output "
+              f"buffers {held.buffers / 2 ** 20:,.2f} MiB at -ub 512, and the smallest KV cache reachable is "
+              f"0.04 MiB (a q4_0 cache with 3 of 4 layers replaced); raise the budget, lower --ctx-size or "
+              f"--ubatch-size"),
              (["--total-budget", "100MiB"], f"is met by the stock model as it is with its weights "
-                                           f"({weights / 2 ** 20:,.2f} MiB)"),
+                                           f"({held.weights / 2 ** 20:,.2f} MiB) and llama.cpp's buffers "
+                                           f"({held.buffers / 2 ** 20:,.2f} MiB)"),
              (["--total-budget", fits_kv, "--m", "2"], "--m 2 and --total-budget: the budget chooses m"),
              (["--total-budget", fits_kv, "--windows", "2"], "--windows and --total-budget"),
              (["--total-budget", "lots"], "--total-budget 'lots': expected a size")]
@@ -614,38 +656,52 @@ def test_candidates_whose_own_weights_do_not_fit_the_total_are_left_out():
     weights = {heavy: 10 << 20, light: 1 << 20} | {c: 1 << 20 for c in found[2:]}
     total = max(c.kv_bytes for c in found) + (2 << 20)
     logged = []
-    kept = kv_budget.within_total({c: f"{i}.gguf" for i, c in enumerate(found)}, weights, total, log=logged.append)
+    files = {c: f"{i}.gguf" for i, c in enumerate(found)}
+    kept = kv_budget.within_total(files, weights, total, log=logged.append)
     assert heavy not in kept and set(kept) == set(found[1:])
     assert kept[light] == "1.gguf"
     assert len(logged) == 1 and logged[0].startswith(f"kv budget: {heavy.label}: left out, its weights 10.00 MiB")
+    # the context's buffers count too: the light one's fit on its weights and cache alone, not with 1 MiB more
+    slack = total - weights[light] - light.kv_bytes
+    buffers = {c: 0 for c in found} | {light: slack + 1}
+    logged.clear()
+    kept = kv_budget.within_total(files, weights, total, log=logged.append, buffers=buffers)
+    assert light not in kept and heavy not in kept and set(kept) == set(found[2:])
+    assert f"kv budget: {light.label}: left out, its weights 1.00 MiB, compute and output buffers " in logged[1]
+    assert kv_budget.within_total(files, weights, total, log=logged.append, buffers={light: slack}).keys() == kept.keys() | {light}
 
 
 @pytest.mark.llama
 def test_convert_meets_a_total_budget_as_llama_cpp_loads_and_allocates_it(tiny_gguf, tmp_path, monkeypatch, capsys):
-    """The weights and 150 KiB of KV cache: the KV share is what --kv-budget 150KiB meets (the test above), and
-    each candidate's own weights count. The chosen file's weights and cache, as llama-bench reports them
-    (model_size; the KV cache llama.cpp allocates with the chosen type), fit the total."""
+    """The weights, llama.cpp's buffers and 150 KiB of KV cache: the KV share is what --kv-budget 150KiB meets (the
+    test above), and each candidate's own weights and buffers count. The chosen file's weights and cache, as
+    llama-bench reports them (model_size; the KV cache llama.cpp allocates with the chosen type), and the buffers
+    that llama-completion allocates with its cache type, fit the total."""
     from nbl_gguf.gguf.inspect import human_bytes
     from nbl_gguf.measurement.llama_bench import run_llama_bench
 
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
-    out, weights = tmp_path / "out.gguf", _weights(tiny_gguf)
-    total = weights + (150 << 10)
+    out, held = tmp_path / "out.gguf", _held(tiny_gguf, 1024)
+    total = held.bytes + (150 << 10)
     assert main(["convert", "--model", str(tiny_gguf), "--total-budget", str(total), "--kv-budget-passkey", "off",
                  "--nsamples", "8", "--seqlen", "64", "--no-progress", "--threads", "1", "--eval-chunks", "1",
                  "-o", str(out)]) == 0
     captured = capsys.readouterr()
     printed = captured.out
-    assert (f"total budget: the stock file's weights take {weights / 2 ** 20:,.2f} MiB, leaving 0.15 MiB for the KV "
-            f"cache at 1,024 tokens") in captured.err
-    assert (f"Total budget {human_bytes(total)} (weights and KV cache; the stock file's weights "
-            f"{human_bytes(weights)} leave 150.00 KiB for the KV cache) at 1,024 tokens") in printed
-    lines = [line for line in printed.splitlines() if line.startswith("    NBL m = ") or line.startswith("    stock, KV")]
+    assert (f"total budget: in the stock file the weights take {held.weights / 2 ** 20:,.2f} MiB, llama.cpp's compute "
+            f"and output buffers {held.buffers / 2 ** 20:,.2f} MiB at -ub 512, leaving 0.15 MiB for the KV cache at "
+            f"1,024 tokens") in captured.err
+    assert (f"Total budget {human_bytes(total)} (weights, buffers and KV cache; the stock file's weights "
+            f"{human_bytes(held.weights)} and llama.cpp's compute and output buffers {human_bytes(held.buffers)} "
+            f"leave 150.00 KiB for the KV cache) at 1,024 tokens") in printed
+    lines = [line for line in printed.splitlines() if line.startswith(("    NBL m = ", "    stock, KV", "    stock Q"))]
     left_out = [line for line in printed.splitlines() if ": left out, its weights " in line]
     labels = {line.split("  KV ")[0].strip() for line in lines} | {line.split(": ")[1] for line in left_out}
-    # the candidates of --kv-budget 150KiB, less those logged as too heavy
-    assert labels == {"NBL m = 3, KV f16", "NBL m = 2, KV q8_0", "NBL m = 2, KV q8_0/q4_0", "stock, KV q4_0"}
-    for line in lines:  # "weights X  total Y" with Y = X + KV, within the total
+    # the candidates of --kv-budget 150KiB, less those logged as too heavy, and llama.cpp's weight-type knob: the F32
+    # stock file in Q8_0 leaves room for a whole F16 cache
+    assert labels == {"NBL m = 3, KV f16", "NBL m = 2, KV q8_0", "NBL m = 2, KV q8_0/q4_0", "stock, KV q4_0",
+                      "stock Q8_0, KV f16"}
+    for line in lines:  # "weights X  buffers B  total Y" with Y = X + B + KV, within the total
         shown = line.split("  total ")[1].split("iB")[0] + "iB"
         assert kv_budget.parse_size(shown.replace(" ", "")) <= total + 0.01 * 2 ** 10
     chosen = next(line for line in lines if line.endswith("<- chosen"))
@@ -653,16 +709,21 @@ def test_convert_meets_a_total_budget_as_llama_cpp_loads_and_allocates_it(tiny_g
     records, _ = run_llama_bench(out, n_prompt=16, n_gen=8, depth=1000, repetitions=1, threads=1, backend="cpu",
                                  cache_type=kv_type)
     assert records[0]["kv_cells"] == 1024
-    assert records[0]["model_size"] + records[0]["kv_mib"] * 2 ** 20 <= total + 0.01 * 2 ** 20
+    buffers = _allocated_buffers(out, 1024, kv_type=kv_type)
+    assert records[0]["model_size"] + (records[0]["kv_mib"] + buffers) * 2 ** 20 <= total + 0.01 * 2 ** 20
     assert records[0]["model_size"] == _weights(out)
+    if chosen.startswith("    stock Q8_0"):  # the knob won: the output is the stock model in Q8_0
+        assert "no layer replaced: the stock model at Q8_0 with a f16 KV cache" in printed
+        assert records[0]["model_size"] < _weights(tiny_gguf) / 3
 
 
 @pytest.mark.skipif(not (source_dir() / "convert_hf_to_gguf.py").is_file(),
                     reason="pinned llama.cpp source not unpacked (scripts/build_llama.sh)")
 def test_a_hf_models_total_budget_takes_the_weights_of_its_stock_file(tmp_path, monkeypatch, capsys):
-    """A HF model: the stock file is made first, and the budget's KV share is the total less that file's weights,
-    here made apart by the pinned converter and llama-quantize (the same tensors whatever the intermediate
-    type). 100 KiB of cache at 256 tokens: the stock model needs 256 KiB in F16, 136 KiB in q8_0, 72 KiB in q4_0."""
+    """A HF model: the stock file is made first, and the budget's KV share is the total less that file's weights and
+    llama.cpp's buffers, here made apart by the pinned converter and llama-quantize (the same tensors whatever the
+    intermediate type). 100 KiB of cache at 256 tokens: the stock model needs 256 KiB in F16, 136 KiB in q8_0, 72 KiB
+    in q4_0."""
     from _convert_helpers import save_tiny_llama
     from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
     from nbl_gguf.gguf.inspect import human_bytes
@@ -673,21 +734,22 @@ def test_a_hf_models_total_budget_takes_the_weights_of_its_stock_file(tmp_path, 
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
     apart = tmp_path / "apart"
     apart.mkdir()
-    weights = _weights(quantize(convert_hf_to_gguf(folder, apart / "f32.gguf", "f32"), apart / "q8_0.gguf", "q8_0"))
+    held = _held(quantize(convert_hf_to_gguf(folder, apart / "f32.gguf", "f32"), apart / "q8_0.gguf", "q8_0"), 256)
     work = tmp_path / "work"
     work.mkdir()
-    out, total = work / "out.gguf", weights + (100 << 10)
+    out, total = work / "out.gguf", held.bytes + (100 << 10)
     # a total the weights leave too little of: refused by name once they are known, nothing left behind
-    assert main(["convert", "--model", str(folder), "--quant", "q8_0", "--total-budget", str(weights + (10 << 10)),
+    assert main(["convert", "--model", str(folder), "--quant", "q8_0", "--total-budget", str(held.bytes + (10 << 10)),
                  "-o", str(out)]) == 2
-    assert f"cannot be met: the weights take {weights / 2 ** 20:,.2f} MiB" in capsys.readouterr().err
+    assert (f"cannot be met: the weights take {held.weights / 2 ** 20:,.2f} MiB, llama.cpp's compute and output "
+            f"buffers {held.buffers / 2 ** 20:,.2f} MiB" in capsys.readouterr().err)
     assert list(work.iterdir()) == []
     assert main(["convert", "--model", str(folder), "--quant", "q8_0", "--total-budget", str(total),
                  "--kv-budget-passkey", "off", "--nsamples", "8", "--seqlen", "64", "--no-progress", "--threads", "1",
                  "--eval-chunks", "1", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert (f"the stock file's weights {human_bytes(weights)} leave 100.00 KiB for the KV cache) at 256 tokens"
-            in printed), printed
+    assert (f"the stock file's weights {human_bytes(held.weights)} and llama.cpp's compute and output buffers "
+            f"{human_bytes(held.buffers)} leave 100.00 KiB for the KV cache) at 256 tokens" in printed), printed
     stages = [line.split()[0] for line in printed.split("time and memory")[1].splitlines()[1:]]
     assert stages[:3] == ["stock", "quantize", "calibrate"]  # "stock conversion", "quantize stock", then the rest
     assert [p.name for p in work.iterdir()] == ["out.gguf"]  # the stock file's folder is gone
@@ -696,4 +758,63 @@ def test_a_hf_models_total_budget_takes_the_weights_of_its_stock_file(tmp_path, 
     records, _ = run_llama_bench(out, n_prompt=16, n_gen=8, depth=200, repetitions=1, threads=1, backend="cpu",
                                  cache_type=kv_type)
     assert records[0]["kv_cells"] == 256
-    assert records[0]["model_size"] + records[0]["kv_mib"] * 2 ** 20 <= total + 0.01 * 2 ** 20
+    buffers = _allocated_buffers(out, 256, kv_type=kv_type)
+    assert records[0]["model_size"] + (records[0]["kv_mib"] + buffers) * 2 ** 20 <= total + 0.01 * 2 ** 20
+
+
+def test_the_weight_type_down_takes_the_largest_cache_its_lighter_weights_leave_room_for():
+    """kv_budget.weight_down: llama.cpp's weight-type knob within a total budget, against the cache sizes by hand."""
+    model = _model()
+    sizes = {kv_type: kv_budget.kv_bytes(model, 8192, kv_type) for kv_type in kv_budget.KV_TYPES}
+    buffers = {kv_type: 1 << 20 for kv_type in kv_budget.KV_TYPES}
+    weights = 5 << 20
+    # room for a q8_0 cache and not an F16 one: q8_0, the largest that fits
+    total = weights + (1 << 20) + sizes["q8_0"]
+    found = kv_budget.weight_down(model, 8192, total, "Q3_K_M", weights, buffers)
+    assert (found.kv_type, found.kv_bytes, found.weight_type, found.is_stock) == ("q8_0", sizes["q8_0"], "Q3_K_M", True)
+    assert found.label == "stock Q3_K_M, KV q8_0"
+    # a larger buffer with that cache type tips it to the next one down
+    tipped = kv_budget.weight_down(model, 8192, total, "Q3_K_M", weights, buffers | {"q8_0": (1 << 20) + 1})
+    assert tipped.kv_type == "q8_0/q4_0"
+    # the stock file at its own type fits with a q8_0 cache already: the lighter weights buy nothing
+    assert kv_budget.weight_down(model, 8192, total, "Q3_K_M", weights, buffers, stock_types=["q8_0"]) is None
+    # nothing fits
+    assert kv_budget.weight_down(model, 8192, weights + (1 << 20) + sizes["q4_0"] - 1, "Q3_K_M", weights,
+                                 buffers) is None
+
+
+@pytest.mark.skipif(not (source_dir() / "convert_hf_to_gguf.py").is_file(),
+                    reason="pinned llama.cpp source not unpacked (scripts/build_llama.sh)")
+def test_a_hf_models_weight_type_down_is_quantized_from_its_float_file(tmp_path):
+    """convert.make_stock(also=...): the budget's weight-type knob of a HF model is quantized from the same float
+    file as the stock file, as a user makes it with llama.cpp, not requantized from the stock file: its tensors
+    are those of llama-quantize on the float file made apart, and differ from a requantization's."""
+    import argparse
+    import contextlib
+
+    import gguf
+
+    from _convert_helpers import save_tiny_llama
+    from nbl_gguf.commands.convert import make_stock
+    from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf, default_intermediate
+    from nbl_gguf.gguf.quantize import quantize
+    from nbl_gguf.model_source import resolve_model
+
+    folder = save_tiny_llama(tmp_path / "tiny-llama", n_head=2)
+    work, apart = tmp_path / "work", tmp_path / "apart"
+    work.mkdir()
+    apart.mkdir()
+    args = argparse.Namespace(intermediate=None, imatrix=False, threads=1)
+    stock, imatrix = make_stock(args, resolve_model(str(folder)), "q8_0", None, work,
+                                lambda name: contextlib.nullcontext(), also="q4_0")
+    assert imatrix is None and sorted(p.name for p in work.iterdir()) == ["stock-q4_0.gguf", "stock-q8_0.gguf"]
+    floats = convert_hf_to_gguf(folder, apart / "float.gguf", default_intermediate(folder))
+    from_float = quantize(floats, apart / "q4_0.gguf", "q4_0")
+    requantized = quantize(stock, apart / "requantized.gguf", "q4_0", extra_args=["--allow-requantize"])
+
+    def tensors(path):
+        return {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(path).tensors}
+
+    made = tensors(work / "stock-q4_0.gguf")
+    assert made == tensors(from_float)
+    assert made != tensors(requantized)

@@ -105,9 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "perplexity at a long context (the stock file with a quantized cache among them)")
     parser.add_argument("--total-budget", default=None, metavar="SIZE",
                         help="the memory the model takes at --ctx-size (e.g. 6GiB): its weights, the file's tensors "
-                             "as llama.cpp loads them, plus its KV cache as llama.cpp allocates it; convert chooses "
-                             "as --kv-budget does, within what the stock file's weights leave, and leaves out a "
-                             "candidate whose own weights take more (llama.cpp's compute buffers not counted)")
+                             "as llama.cpp loads them, its KV cache as llama.cpp allocates it, and llama.cpp's "
+                             "compute and output buffers as it reserves them at -ub (--ubatch-size: a smaller one "
+                             "shrinks them); convert chooses as --kv-budget does, within what the stock file's "
+                             "weights and buffers leave, and leaves out a candidate whose own take more")
     parser.add_argument("--kv-budget-passkey", choices=("on", "off"), default="on",
                         help="--kv-budget, --total-budget: also give each candidate and the stock file the passkey test at the "
                              "measurement's context, with the candidate's cache type; one that finds fewer keys "
@@ -118,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-chunks", type=int, default=EVAL_CHUNKS,
                         help=f"held-out chunks of {EVAL_CTX} tokens for that perplexity (default: {EVAL_CHUNKS})")
     flags.add_output(parser, "output GGUF (default: model-nbl.gguf)", default="model-nbl.gguf", metavar="GGUF")
+    # --total-budget of a HF model: the stock file one weight type down, made from the same float file as the stock
+    # file (convert_stock_first), for the budget's weight-type candidate; not an option
+    parser.set_defaults(budget_weight_down=None)
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -239,9 +243,10 @@ def intermediate_type(args, quant: str, model_dir: Path) -> str:
     return quant.lower() if quant in FLOAT_TYPES else args.intermediate or default_intermediate(model_dir)
 
 
-def make_stock(args, source, quant: str, artifact, tmp: Path, stage) -> tuple[Path, Path | None]:
+def make_stock(args, source, quant: str, artifact, tmp: Path, stage, also: str | None = None) -> tuple[Path, Path | None]:
     """(the stock GGUF of a HF model at ``quant``, in ``tmp``, the imatrix it was quantized with or None); each
-    step in a ``stage(name)``. Only one float file is ever on disk."""
+    step in a ``stage(name)``. Only one float file is ever on disk. ``also``: another type quantized from the same
+    float file, to tmp / stock-{also}.gguf."""
     from nbl_gguf.gguf.hf_to_gguf import convert_hf_to_gguf
     from nbl_gguf.gguf.quantize import compute_imatrix, quantize
 
@@ -258,19 +263,28 @@ def make_stock(args, source, quant: str, artifact, tmp: Path, stage) -> tuple[Pa
                                       chunks=args.imatrix_chunks, threads=args.threads, seed=args.seed)
     with stage("quantize stock"):
         quantized = quantize(stock, tmp / f"stock-{quant}.gguf", quant, imatrix=imatrix, threads=args.threads)
+        if also is not None:
+            quantize(stock, tmp / f"stock-{also}.gguf", also, imatrix=imatrix, threads=args.threads)
     stock.unlink()
     return quantized, imatrix
 
 
 def convert_stock_first(args, source, quant: str, output: Path) -> Summary:
-    """--total-budget of a HF model: the budget is the stock file's weights and a KV cache, and how many layers the
-    calibration must go to depends on what the weights leave, so the stock file is made first; the rest runs as
-    with that file for --stock-gguf."""
+    """--total-budget of a HF model: the budget is the stock file's weights, llama.cpp's buffers and a KV cache, and
+    how many layers the calibration must go to depends on what the weights leave, so the stock file is made first;
+    the rest runs as with that file for --stock-gguf."""
+    from nbl_gguf.measurement.frontier import neighbour_types
+
     meter = StageMeter()
-    print(f"total budget: the stock {quant} file first, whose weights decide the KV cache's share", file=sys.stderr)
+    print(f"total budget: the stock {quant} file first, whose weights and buffers decide the KV cache's share",
+          file=sys.stderr)
+    # llama.cpp's weight-type knob from the float file too, as a user would make it (weight_down_file)
+    down = neighbour_types(quant)[0] if quant.upper() in WEIGHT_DOWN_FROM else None
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.stock-", dir=output.parent) as tmp:
-        stock, _ = make_stock(args, source, quant, None, Path(tmp), meter)  # no imatrix: check_kv_budget refused it
-        summary = convert(argparse.Namespace(**(vars(args) | {"stock_gguf": str(stock), "intermediate": None})))
+        stock, _ = make_stock(args, source, quant, None, Path(tmp), meter, also=down)  # no imatrix: refused
+        summary = convert(argparse.Namespace(**(vars(args) | {
+            "stock_gguf": str(stock), "intermediate": None,
+            "budget_weight_down": str(Path(tmp) / f"stock-{down}.gguf") if down else None})))
     summary.resources = {**meter.stages, **summary.resources}
     return summary
 
@@ -340,8 +354,8 @@ def convert(args) -> Summary:
     if budget is not None and budget.total is not None and not stock_first:
         from nbl_gguf.measurement.kv_budget import format_mib
 
-        print(f"total budget: the stock file's weights take {format_mib(budget.weights)}, leaving "
-              f"{format_mib(budget.bytes)} for the KV cache at {budget.n_ctx:,} tokens", file=sys.stderr)
+        print(f"total budget: in the stock file {budget.held.describe()} leaving {format_mib(budget.bytes)} for the "
+              f"KV cache at {budget.n_ctx:,} tokens", file=sys.stderr)
     if budget is not None:
         args = argparse.Namespace(**(vars(args) | {"m": budget.most_layers}))  # the calibration goes that far
     m, _ = selection_budget(args.m, args.max_ppl_increase)
@@ -471,8 +485,8 @@ def convert(args) -> Summary:
         if budget is not None:
             # 3a. the KV budget: each cache type's fewest layers, measured through llama.cpp
             with stage("KV budget"):
-                chosen, budget_report = choose_for_budget(budget, artifact, args, source, method, n_layer, taps,
-                                                          stock_final, imatrix, tmp)
+                chosen, budget_report, chosen_file = choose_for_budget(budget, artifact, args, source, method, n_layer,
+                                                                       taps, stock_final, imatrix, tmp)
             selected, kv_type = list(chosen.layers), chosen.kv_type
             layers = budget_layers(chosen, artifact, args, source, method, n_layer, taps)
 
@@ -482,6 +496,10 @@ def convert(args) -> Summary:
                 weights = surgery(stock_final, output, layers, args, imatrix)
                 notes = gguf_notes(source.gguf, weights, args.nbl_type, args.runtime) if source.gguf is not None \
                     else weight_notes(weights, args.nbl_type)
+            elif budget is not None and chosen.weight_type:  # llama.cpp's weight-type knob won: that file as it is
+                copy_atomically(chosen_file, output)
+                notes = [f"no layer replaced: the stock model at {chosen.weight_type} with a {kv_type} KV cache "
+                         f"measured best within the budget"]
             else:  # the budget's winner is the stock file with a quantized cache: it is the output as it is
                 copy_atomically(stock_final, output)
                 notes = [f"no layer replaced: the stock file with a {kv_type} KV cache measured best within the budget"]
@@ -522,7 +540,7 @@ def convert(args) -> Summary:
             scores=layers.scores if layers.scores_criterion == args.criterion else None,
             stock_bytes=stock_final.stat().st_size, nbl_bytes=output.stat().st_size,
             kv=kv, kv_type=kv_type, n_ubatch=args.ubatch_size, budget=budget_report, output=output, runtime=args.runtime,
-            resources=meter.stages,
+            resources=meter.stages, output_type=chosen.weight_type if budget is not None else None,
             windows=window_report(windows, layers),
             taps_state_bytes=(taps_state(output_reader, types) or {}).get("state_bytes_per_sequence", 0),
         )
@@ -777,8 +795,8 @@ class KvBudget:
     eval_ctx: int  # the long context the candidates are measured at
     window_sizes: tuple[int, ...] = ()  # the window sizes of its window candidates (budget_window_sizes)
     n_ubatch: int = kv_cache.DEFAULT_UBATCH  # the micro-batch the file will run with (-ub): window caches hold one
-    total: int | None = None  # --total-budget: weights and KV cache together
-    weights: int | None = None  # with it, the stock file's weights (metadata.weight_bytes)
+    total: int | None = None  # --total-budget: weights, KV cache and llama.cpp's context buffers together
+    held: object = None  # with it, kv_budget.Held: the stock file's weights and context buffers
 
 
 def check_kv_budget(args, source, n_layer: int, weights_unknown: bool = False) -> KvBudget:
@@ -811,33 +829,45 @@ def check_kv_budget(args, source, n_layer: int, weights_unknown: bool = False) -
         config = _json.loads((source.hf_folder() / "config.json").read_text(encoding="utf-8"))
         model, trained = kv_cache.model_from_config(config), kv_cache.training_context_from_config(config)
     n_ctx = args.ctx_size or trained or SUMMARY_CTX
-    total = weights = None
+    total = held = None
     if flag == "--kv-budget":
         size = kv_budget.parse_size(args.kv_budget)
     else:
-        from nbl_gguf.gguf.metadata import open_gguf, weight_bytes
-
         total = kv_budget.parse_size(args.total_budget, flag)
-        weights = 0 if weights_unknown else weight_bytes(
-            open_gguf(source.gguf.path if source.gguf is not None else args.stock_gguf))
-        size = total - weights
+        if not weights_unknown:
+            held = stock_held(source.gguf.path if source.gguf is not None else args.stock_gguf, n_ctx, args.ubatch_size)
+        size = total - (held.bytes if held else 0)
     most = kv_budget.check_reachable(model, n_ctx, size, n_layer - 1, args.ubatch_size,
                                      given=f"--total-budget {args.total_budget}" if total is not None else None,
-                                     weights=weights or 0)
+                                     held=held)
     if most == 0 and not weights_unknown:
         stock_kv = kv_budget.kv_bytes(model, n_ctx, 'f16', n_ubatch=args.ubatch_size)
-        held = f" with its weights ({kv_budget.format_mib(weights)})" if weights else ""
+        with_held = (f" with its weights ({kv_budget.format_mib(held.weights)}) and llama.cpp's buffers "
+                     f"({kv_budget.format_mib(held.buffers)})" if held else "")
         raise NblError(f"{flag} {args.kv_budget or args.total_budget} at {n_ctx:,} tokens is met by the stock model "
-                       f"as it is{held} ({kv_budget.format_mib(stock_kv)} with an F16 cache): nothing to replace")
+                       f"as it is{with_held} ({kv_budget.format_mib(stock_kv)} with an F16 cache): nothing to replace")
     eval_ctx = min(BUDGET_CTX, n_ctx, trained or n_ctx)
     return KvBudget(size, n_ctx, model, most, eval_ctx, budget_window_sizes(args, source, eval_ctx), args.ubatch_size,
-                    total, weights)
+                    total, held)
+
+
+def stock_held(stock, n_ctx: int, n_ubatch: int):
+    """kv_budget.Held of the stock file at a context: its weights and the largest of its context buffers over the
+    cache types the budget chooses among (a quantized cache's flash attention takes a little more: the KV share
+    must hold for each), as llama.cpp projects them without allocating."""
+    from nbl_gguf.gguf.metadata import open_gguf, weight_bytes
+    from nbl_gguf.llamacpp.library import context_buffers
+    from nbl_gguf.measurement import kv_budget
+
+    buffers = max(context_buffers(stock, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type).bytes
+                  for kv_type in kv_budget.KV_TYPES)
+    return kv_budget.Held(weight_bytes(open_gguf(stock)), buffers, n_ubatch)
 
 
 def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer, taps, stock: Path, imatrix,
                       tmp: Path):
-    """(the winning kv_budget.Candidate, the summary's report): each cache type's candidate made (the stock
-    file itself for m = 0) and measured."""
+    """(the winning kv_budget.Candidate, the summary's report, its file): each cache type's candidate made (the
+    stock file itself for m = 0) and measured."""
     from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, write_selection_text
     from nbl_gguf.measurement import kv_budget
     from nbl_gguf.measurement.passkey import DEPTHS
@@ -875,22 +905,30 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
         path = files[candidate] = tmp / f"budget-{name}.gguf"
         if not path.is_file():
             surgery(stock, path, budget_layers(candidate, artifact, args, source, method, n_layer, taps), args, imatrix)
-    weights = {}
+    weights, buffers = {}, {}
     if budget.total is not None:
         from nbl_gguf.gguf.metadata import open_gguf, weight_bytes
+        from nbl_gguf.llamacpp.library import context_buffers
 
+        down = weight_down_file(budget, stock, args, imatrix, tmp, [c.kv_type for c in found if c.is_stock])
+        if down is not None:
+            files[down[0]] = down[1]
         weights = {candidate: weight_bytes(open_gguf(path)) for candidate, path in files.items()}
-        files = kv_budget.within_total(files, weights, budget.total)
+        buffers = {candidate: context_buffers(path, n_ctx=budget.n_ctx, n_ubatch=budget.n_ubatch,
+                                              kv_type=candidate.kv_type).bytes for candidate, path in files.items()}
+        files = kv_budget.within_total(files, weights, budget.total, buffers=buffers)
         if not files:
-            raise NblError(f"--total-budget {args.total_budget}: no candidate's weights and KV cache fit (each is "
-                           f"logged above); raise the budget or lower --ctx-size")
+            raise NblError(f"--total-budget {args.total_budget}: no candidate's weights, buffers and KV cache fit (each "
+                           f"is logged above); raise the budget or lower --ctx-size")
     # enough for the chunks at any tokenizer's length of token (llama-perplexity wants 2 x ctx tokens)
     chars = CHARS_PER_TOKEN_BOUND * 2 * budget.eval_ctx * BUDGET_CHUNKS
     texts = {kind: write_selection_text(kind, tmp / f"budget-{kind}.txt", chars) for kind in KINDS}
     depths = DEPTHS if args.kv_budget_passkey == "on" else ()  # eval --passkey's default depths
     base, measured, stock_found = kv_budget.measure(stock, files, texts, budget.eval_ctx, BUDGET_CHUNKS, args.threads,
                                                     recall_depths=depths)
-    report = {"bytes": budget.bytes, "total_bytes": budget.total, "weight_bytes": budget.weights, "n_ctx": budget.n_ctx, "n_ubatch": budget.n_ubatch, "eval_ctx": budget.eval_ctx,
+    report = {"bytes": budget.bytes, "total_bytes": budget.total,
+              "weight_bytes": budget.held.weights if budget.held else None,
+              "buffer_bytes": budget.held.buffers if budget.held else None, "n_ctx": budget.n_ctx, "n_ubatch": budget.n_ubatch, "eval_ctx": budget.eval_ctx,
               "chunks": BUDGET_CHUNKS,
               "stock_ppl": base, "passkey_depths": list(depths), "stock_passkey_found": stock_found,
               "window_recall": recall.report() if recall is not None else None,
@@ -900,10 +938,43 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
                               "refused_windows": list(r.candidate.refused),
                               "recall_globals": list(r.candidate.recall_globals),
                               "recall_windowed": list(r.candidate.recall_windowed),
+                              "weight_type": r.candidate.weight_type,
                               "kv_bytes": r.candidate.kv_bytes, "weight_bytes": weights.get(r.candidate),
+                              "buffer_bytes": buffers.get(r.candidate),
                               "passkey_found": r.found,
                               "perplexity": r.perplexity, "change_pct": r.change_pct} for r in measured]}
-    return measured[0].candidate, report
+    return measured[0].candidate, report, Path(files[measured[0].candidate])
+
+
+# the types whose step down the ladder (measurement.frontier) a total budget tries: the quantized ones of the ladder
+# and the float ones (a step down from a legacy type such as Q4_1 is another family: the frontier's business)
+WEIGHT_DOWN_FROM = ("Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "F16", "BF16", "F32")
+
+
+def weight_down_file(budget: KvBudget, stock: Path, args, imatrix, tmp: Path, stock_types):
+    """(kv_budget.Candidate, its file) of llama.cpp's weight-type knob within a total budget: the stock file one step
+    down the ladder (Q4_K_M -> Q3_K_M), made from the float file for a HF model (convert_stock_first) and by
+    llama-quantize --allow-requantize from the stock file otherwise (as the frontier makes it), with the largest
+    cache type that fits what its weights and buffers leave (kv_budget.weight_down). None where the type has no
+    step down, or it buys no larger cache than the stock file's own candidates have."""
+    from nbl_gguf.gguf.metadata import file_type_name, open_gguf, read_field, weight_bytes
+    from nbl_gguf.gguf.quantize import quantize
+    from nbl_gguf.llamacpp.library import context_buffers
+    from nbl_gguf.measurement import kv_budget
+    from nbl_gguf.measurement.frontier import neighbour_types
+
+    current = (file_type_name(read_field(open_gguf(stock), "general.file_type")) or "").upper()
+    if current not in WEIGHT_DOWN_FROM:
+        return None
+    down = neighbour_types(current)[0]
+    path = Path(args.budget_weight_down) if args.budget_weight_down else tmp / f"budget-stock-{down.lower()}.gguf"
+    if not path.is_file():
+        quantize(stock, path, down, imatrix=imatrix, threads=args.threads, extra_args=["--allow-requantize"])
+    buffers = {kv_type: context_buffers(path, n_ctx=budget.n_ctx, n_ubatch=budget.n_ubatch, kv_type=kv_type).bytes
+               for kv_type in kv_budget.KV_TYPES}
+    found = kv_budget.weight_down(budget.model, budget.n_ctx, budget.total, down, weight_bytes(open_gguf(path)),
+                                  buffers, stock_types, budget.n_ubatch)
+    return None if found is None else (found, path)
 
 
 def budget_layers(candidate, artifact, args, source, method: str, n_layer: int, taps: int):

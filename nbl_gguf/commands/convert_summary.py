@@ -35,6 +35,8 @@ class Summary:
     n_ubatch: int = DEFAULT_UBATCH  # the micro-batch of the KV rows (llama.cpp's -ub), and of those flags
     budget: dict | None = None  # convert --kv-budget's candidates, as measured (choose_for_budget's report)
     windows: dict | None = None  # convert --windows' choice (calibration.windows.WindowChoice.report())
+    output_type: str | None = None  # the output's weight type where it is not the stock file's (a total budget's
+    # choice of llama.cpp's weight type one step down)
 
     def table(self) -> str:
         from nbl_gguf.gguf.inspect import human_bytes
@@ -43,7 +45,8 @@ class Summary:
             return f"{(after - before) / before:+.1%}" if before else ""
 
         rows = [
-            ("", f"stock {self.quant}", f"NBL {self.quant}", "change"),
+            ("", f"stock {self.quant}", f"output {self.output_type}" if self.output_type else f"NBL {self.quant}",
+             "change"),
             ("attention layers", str(self.n_layer), str(self.n_layer - len(self.replaced)), f"-{len(self.replaced)}"),
             ("file size", human_bytes(self.stock_bytes), human_bytes(self.nbl_bytes),
              change(self.stock_bytes, self.nbl_bytes)),
@@ -151,9 +154,12 @@ class Summary:
         b = self.budget
         ubatch = f" with -ub {b['n_ubatch']}" if b.get("n_ubatch", DEFAULT_UBATCH) != DEFAULT_UBATCH else ""
         total = b.get("total_bytes")
-        budget = (f"KV budget {human_bytes(b['bytes'])}" if total is None else
-                  f"Total budget {human_bytes(total)} (weights and KV cache; the stock file's weights "
-                  f"{human_bytes(b['weight_bytes'])} leave {human_bytes(b['bytes'])} for the KV cache)")
+        if total is None:
+            budget = f"KV budget {human_bytes(b['bytes'])}"
+        else:
+            budget = (f"Total budget {human_bytes(total)} (weights, buffers and KV cache; the stock file's weights "
+                      f"{human_bytes(b['weight_bytes'])} and llama.cpp's compute and output buffers "
+                      f"{human_bytes(b['buffer_bytes'])} leave {human_bytes(b['bytes'])} for the KV cache)")
         lines = [f"  {budget} at {b['n_ctx']:,} tokens{ubatch}: each KV type with the fewest layers "
                  f"that fit, by held-out perplexity at {b['eval_ctx']:,} tokens ({b['chunks']} chunk of each kind's "
                  f"selection text) against stock with an F16 cache:"]
@@ -161,8 +167,9 @@ class Summary:
         asked, stock_found = len(b.get("passkey_depths") or ()), b.get("stock_passkey_found")
         for index, c in enumerate(b["candidates"]):
             keys = f"  passkey {c['passkey_found']}/{asked}" if c.get("passkey_found") is not None else ""
-            weights = (f"  weights {human_bytes(c['weight_bytes']):>11}  total "
-                       f"{human_bytes(c['weight_bytes'] + c['kv_bytes']):>11}" if total is not None else "")
+            weights = (f"  weights {human_bytes(c['weight_bytes']):>11}  buffers {human_bytes(c['buffer_bytes']):>11}  "
+                       f"total {human_bytes(c['weight_bytes'] + c['buffer_bytes'] + c['kv_bytes']):>11}"
+                       if total is not None else "")
             lines.append(f"    {c['label']:<{width}}  KV {human_bytes(c['kv_bytes']):>11}{weights}  {c['change_pct']:+7.2f}%"
                          + keys + ("  <- chosen" if index == 0 else ""))
         if any(c.get("refused_windows") for c in b["candidates"]):

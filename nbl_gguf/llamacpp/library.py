@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -85,10 +86,60 @@ def context_kv_caches(path: str | Path, *, n_ctx: int, n_batch: int = 2048, n_ub
                       kv_type: str = "f16") -> list[KvCacheInfo]:
     """The caches libllama allocates for ``path`` with these context settings (the C API's own
     defaults but for swa_full, which is llama-cli's here): a model and a context are created and freed."""
+    log = _context_log(path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
+                       kv_unified=kv_unified, swa_full=swa_full, flash_attn=flash_attn, kv_type=kv_type)
+    return kv_cache_lines(log)
+
+
+# sched_reserve:        CPU compute buffer size =    98.25 MiB   /   llama_context:        CPU  output buffer size =     0.19 MiB
+_BUFFER_LINE = re.compile(r"^(?:sched_reserve|llama_context):\s+(\S+)\s+(compute|output) buffer size =\s*([\d.]+) MiB")
+
+
+@dataclass
+class ContextBuffers:
+    """What a context takes beside its model and its KV cache, as llama.cpp reserves it: the compute buffers
+    (the largest graph's intermediates: at a 512-token micro-batch mostly the logits, n_vocab x n_ubatch floats)
+    and the output buffer, in bytes over every backend."""
+    compute: int
+    output: int
+
+    @property
+    def bytes(self) -> int:
+        return self.compute + self.output
+
+
+def context_buffers(path: str | Path, *, n_ctx: int, n_batch: int = 2048, n_ubatch: int = 512,
+                    flash_attn: bool = True, kv_type: str = "f16") -> ContextBuffers:
+    """llama.cpp's own projection of a context's compute and output buffers for ``path`` (llama-cli's settings
+    otherwise, the layers on the CPU): the model is loaded without its weights and nothing is allocated
+    (no_alloc, as llama.cpp's --fit measures), so it takes a second at any model size. llama.cpp logs each
+    buffer rounded to 0.01 MiB; half of that is added to each, so that the sizes are bounds."""
+    log = _context_log(path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
+                       kv_type=kv_type, no_alloc=True)
+    sizes = {"compute": 0, "output": 0}
+    found = False
+    for line in log.splitlines():
+        match = _BUFFER_LINE.match(line.strip())
+        if match:
+            found = found or match.group(2) == "compute"
+            sizes[match.group(2)] += math.ceil((float(match.group(3)) + 0.005) * 2 ** 20)
+    if not found:
+        raise NblError(f"llama.cpp reported no compute buffer for {path} (its log changed?)")
+    return ContextBuffers(**sizes)
+
+
+def _context_log(path, *, n_ctx: int, n_batch: int = 2048, n_ubatch: int = 512, n_seq_max: int = 1,
+                 kv_unified: bool = False, swa_full: bool = False, flash_attn: bool = True, kv_type: str = "f16",
+                 no_alloc: bool = False) -> str:
+    """llama.cpp's log of creating a model and a context of these settings for ``path``, both freed after.
+    ``no_alloc``: the model's metadata only and no buffer allocated (the sizes are logged as planned)."""
     import llama_cpp
 
     model_params = llama_cpp.llama_model_default_params()
     model_params.n_gpu_layers = 0
+    if no_alloc:
+        model_params.no_alloc = True
+        model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE  # a mapping is an allocation: llama.cpp asserts
     with captured_log() as lines:
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not model:
@@ -108,7 +159,7 @@ def context_kv_caches(path: str | Path, *, n_ctx: int, n_batch: int = 2048, n_ub
             llama_cpp.llama_free(context)
         finally:
             llama_cpp.llama_model_free(model)
-    return kv_cache_lines("".join(lines))
+    return "".join(lines)
 
 
 @contextlib.contextmanager

@@ -63,6 +63,7 @@ class Candidate:
     refused: tuple[int, ...] = ()  # window layers the retrieval walk refused (they lose recall beyond W)
     recall_globals: tuple[int, ...] = ()  # layers kept global for recall in place of the window order's (swap_globals)
     recall_windowed: tuple[int, ...] = ()  # the layers the window order kept global, windowed for them
+    weight_type: str | None = None  # the stock file requantized to this type (--total-budget); None: its own type
 
     @property
     def m(self) -> int:
@@ -78,7 +79,8 @@ class Candidate:
         if self.windows:
             what = f"{len(self.windows)} window layers (W = {self.window[0]})"
         else:
-            what = "stock" if self.is_stock else f"NBL m = {self.m}"
+            what = ("stock" + (f" {self.weight_type}" if self.weight_type else "")) if self.is_stock \
+                else f"NBL m = {self.m}"
         refused = f" (refused by the retrieval walk: {', '.join(map(str, self.refused))})" if self.refused else ""
         swapped = (f", {', '.join(map(str, self.recall_globals))} global for recall (windowed: "
                    f"{', '.join(map(str, self.recall_windowed))})") if self.recall_globals else ""
@@ -129,18 +131,38 @@ def smallest_reachable(model: KvModel, n_ctx: int, max_m: int, n_ubatch: int = D
     return kv_bytes(model, n_ctx, kv_type, largest_first[:max_m], n_ubatch=n_ubatch)
 
 
+@dataclass(frozen=True)
+class Held:
+    """What a total budget (--total-budget) holds beside the KV cache: the weights as llama.cpp loads them and
+    the context's compute and output buffers as llama.cpp reserves them (library.context_buffers), which grow
+    with the micro-batch: at -ub 512 mostly the logits, n_vocab x 512 floats (98 MiB for SmolLM2, more than its
+    weights)."""
+    weights: int
+    buffers: int
+    n_ubatch: int = DEFAULT_UBATCH
+
+    @property
+    def bytes(self) -> int:
+        return self.weights + self.buffers
+
+    def describe(self) -> str:
+        return (f"the weights take {format_mib(self.weights)}, llama.cpp's compute and output buffers "
+                f"{format_mib(self.buffers)} at -ub {self.n_ubatch},")
+
+
 def check_reachable(model: KvModel, n_ctx: int, budget: int, max_m: int, n_ubatch: int = DEFAULT_UBATCH,
-                    given: str | None = None, weights: int = 0) -> int:
+                    given: str | None = None, held: Held | None = None) -> int:
     """The layers the calibration must go to: most_layers_needed, or ``max_m`` where only some orders fit
     (which ones the calibration decides); an NblError naming the smallest cache that can be reached when
     no order does. ``given``: the option as the user gave it, when ``budget`` is what is left of it after
-    ``weights`` (--total-budget)."""
+    ``held`` (--total-budget)."""
     smallest = smallest_reachable(model, n_ctx, max_m, n_ubatch)
     if budget < smallest:
-        held = f"the weights take {format_mib(weights)} and " if weights else ""
-        raise NblError(f"{given or '--kv-budget ' + format_mib(budget)} at {n_ctx:,} tokens cannot be met: {held}the "
+        remedy = "raise the budget, lower --ctx-size or --ubatch-size" if held else "raise the budget or lower --ctx-size"
+        raise NblError(f"{given or '--kv-budget ' + format_mib(budget)} at {n_ctx:,} tokens cannot be met: "
+                       f"{held.describe() + ' and ' if held else ''}the "
                        f"smallest KV cache reachable is {format_mib(smallest)} (a {KV_TYPES[-1]} cache with {max_m} of {len(model.layers)} layers "
-                       f"replaced); raise the budget or lower --ctx-size")
+                       f"replaced); {remedy}")
     needed = most_layers_needed(model, n_ctx, budget, max_m, n_ubatch)
     return max_m if needed is None else needed
 
@@ -237,19 +259,38 @@ def format_mib(n: int) -> str:
     return f"{n / 2 ** 20:,.2f} MiB"
 
 
-def within_total(files: dict[Candidate, object], weights: dict[Candidate, int], total: int, log=print) -> dict:
-    """The ``files`` whose own weights (``weights``: bytes) and KV cache fit ``total`` bytes (--total-budget):
-    each candidate was chosen for the KV cache that the stock file's weights leave, and a file of replaced layers
-    carries maps instead of their attention, which can weigh more (past-token maps at a low rank, or a wide
-    model with few KV heads). The rest are logged and left out."""
+def within_total(files: dict[Candidate, object], weights: dict[Candidate, int], total: int, log=print,
+                 buffers: dict[Candidate, int] | None = None) -> dict:
+    """The ``files`` whose own weights (``weights``: bytes), KV cache and context buffers (``buffers``: llama.cpp's
+    compute and output buffers with the candidate's cache type, library.context_buffers) fit ``total`` bytes
+    (--total-budget): each candidate was chosen for the KV cache that the stock file's weights and buffers leave,
+    and a file of replaced layers carries maps instead of their attention, which can weigh more (past-token maps
+    at a low rank, or a wide model with few KV heads). The rest are logged and left out."""
+    buffers = buffers or {}
     kept = {}
     for candidate, path in files.items():
-        if weights[candidate] + candidate.kv_bytes > total:
-            log(f"kv budget: {candidate.label}: left out, its weights {format_mib(weights[candidate])} and KV cache "
-                f"{format_mib(candidate.kv_bytes)} exceed the total budget of {format_mib(total)}")
+        held = buffers.get(candidate, 0)
+        if weights[candidate] + candidate.kv_bytes + held > total:
+            extra = f", compute and output buffers {format_mib(held)}" if held else ""
+            log(f"kv budget: {candidate.label}: left out, its weights {format_mib(weights[candidate])}{extra} and KV "
+                f"cache {format_mib(candidate.kv_bytes)} exceed the total budget of {format_mib(total)}")
         else:
             kept[candidate] = path
     return kept
+
+
+def weight_down(model: KvModel, n_ctx: int, total: int, weight_type: str, weights: int, buffers: dict[str, int],
+                stock_types: Sequence[str] = (), n_ubatch: int = DEFAULT_UBATCH) -> Candidate | None:
+    """llama.cpp's other knob within a total budget: the stock model at a lighter ``weight_type`` (``weights``: its
+    tensors' bytes; ``buffers``: its context's buffers per cache type), with the largest cache type whose whole
+    cache fits what they leave. None where none fits, or where the stock file at its own weight type fits with
+    that cache type already (``stock_types``: the cache types it has candidates with), which the lighter
+    weights can only lose to."""
+    for kv_type in KV_TYPES:
+        size = kv_bytes(model, n_ctx, kv_type, n_ubatch=n_ubatch)
+        if weights + buffers[kv_type] + size <= total:
+            return None if kv_type in stock_types else Candidate(kv_type, (), size, weight_type=weight_type)
+    return None
 
 
 def estimate_line(candidates: int, perplexity_s: float, passkey_s: float | None) -> str:
