@@ -74,6 +74,7 @@ SLOW_TESTS = {
     "tests/test_kv_budget.py::test_convert_meets_the_budget_as_llama_cpp_allocates_it",  # 13
     "tests/test_kv_budget.py::test_convert_meets_a_total_budget_as_llama_cpp_loads_and_allocates_it",  # 12
     "tests/test_kv_budget.py::test_a_hf_models_total_budget_takes_the_weights_of_its_stock_file",  # 47-63
+    "tests/test_kv_budget.py::test_a_hf_models_weight_type_down_is_quantized_from_its_float_file",  # 36 (shared)
     "tests/test_kv_budget.py::test_window_candidates_are_measured_with_their_windows",  # 11
     "tests/test_llama_window.py::test_long_prompt_then_decoding_match_the_reference",  # 24
     "tests/test_passkey.py::test_the_embedded_model_finds_the_key_and_a_narrow_window_loses_it",  # 51
