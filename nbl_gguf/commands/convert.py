@@ -972,9 +972,14 @@ def weight_down_file(budget: KvBudget, stock: Path, args, imatrix, tmp: Path, st
         quantize(stock, path, down, imatrix=imatrix, threads=args.threads, extra_args=["--allow-requantize"])
     buffers = {kv_type: context_buffers(path, n_ctx=budget.n_ctx, n_ubatch=budget.n_ubatch, kv_type=kv_type).bytes
                for kv_type in kv_budget.KV_TYPES}
-    found = kv_budget.weight_down(budget.model, budget.n_ctx, budget.total, down, weight_bytes(open_gguf(path)),
-                                  buffers, stock_types, budget.n_ubatch)
-    return None if found is None else (found, path)
+    weights = weight_bytes(open_gguf(path))
+    found = kv_budget.weight_down(budget.model, budget.n_ctx, budget.total, down, weights, buffers, stock_types,
+                                  budget.n_ubatch)
+    if found is None:
+        print(f"kv budget: stock {down}: its weights ({kv_budget.format_mib(weights)}) leave room for no larger KV cache "
+              f"than the stock file's candidates have: not a candidate")
+        return None
+    return found, path
 
 
 def budget_layers(candidate, artifact, args, source, method: str, n_layer: int, taps: int):
