@@ -856,12 +856,20 @@ def stock_held(stock, n_ctx: int, n_ubatch: int):
     cache types the budget chooses among (a quantized cache's flash attention takes a little more: the KV share
     must hold for each), as llama.cpp projects them without allocating."""
     from nbl_gguf.gguf.metadata import open_gguf, weight_bytes
+    from nbl_gguf.measurement import kv_budget
+
+    buffers = max(buffers_by_cache_type(stock, n_ctx, n_ubatch).values())
+    return kv_budget.Held(weight_bytes(open_gguf(stock)), buffers, n_ubatch)
+
+
+def buffers_by_cache_type(path, n_ctx: int, n_ubatch: int) -> dict[str, int]:
+    """{cache type: the bytes of llama.cpp's compute and output buffers} of a file at a context, for each cache type
+    a budget chooses among, as llama.cpp projects them without allocating."""
     from nbl_gguf.llamacpp.library import context_buffers
     from nbl_gguf.measurement import kv_budget
 
-    buffers = max(context_buffers(stock, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type).bytes
-                  for kv_type in kv_budget.KV_TYPES)
-    return kv_budget.Held(weight_bytes(open_gguf(stock)), buffers, n_ubatch)
+    return {kv_type: context_buffers(path, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type).bytes
+            for kv_type in kv_budget.KV_TYPES}
 
 
 def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer, taps, stock: Path, imatrix,
@@ -959,7 +967,6 @@ def weight_down_file(budget: KvBudget, stock: Path, args, imatrix, tmp: Path, st
     step down, or it buys no larger cache than the stock file's own candidates have."""
     from nbl_gguf.gguf.metadata import file_type_name, open_gguf, read_field, weight_bytes
     from nbl_gguf.gguf.quantize import quantize
-    from nbl_gguf.llamacpp.library import context_buffers
     from nbl_gguf.measurement import kv_budget
     from nbl_gguf.measurement.frontier import neighbour_types
 
@@ -970,8 +977,7 @@ def weight_down_file(budget: KvBudget, stock: Path, args, imatrix, tmp: Path, st
     path = Path(args.budget_weight_down) if args.budget_weight_down else tmp / f"budget-stock-{down.lower()}.gguf"
     if not path.is_file():
         quantize(stock, path, down, imatrix=imatrix, threads=args.threads, extra_args=["--allow-requantize"])
-    buffers = {kv_type: context_buffers(path, n_ctx=budget.n_ctx, n_ubatch=budget.n_ubatch, kv_type=kv_type).bytes
-               for kv_type in kv_budget.KV_TYPES}
+    buffers = buffers_by_cache_type(path, budget.n_ctx, budget.n_ubatch)
     weights = weight_bytes(open_gguf(path))
     found = kv_budget.weight_down(budget.model, budget.n_ctx, budget.total, down, weights, buffers, stock_types,
                                   budget.n_ubatch)
