@@ -769,10 +769,22 @@ def budget_window_order(args, source, n_layer: int, ctx: int, size: int, needed:
     are None without the walk)."""
     from nbl_gguf.gguf import nbl_format
 
+    import time
+
     stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
+    # the longest silent stage of a budget (50 min for Qwen2.5-Coder-0.5B at 4,096 tokens on 2 cores): say what it is
+    walk = "" if args.window_retrieval is None else \
+        f", then walking them with retrieval probes as far as {needed or n_layer} kept"
+    print(f"kv budget: measuring each of the {n_layer} layers as a window layer of {size} tokens at {ctx:,} "
+          f"tokens{walk}", flush=True)
+    started = time.monotonic()
     if args.window_retrieval is None:
-        return window_layers(args, source, stock, ctx, count=1, size=size).order, None, None
+        order = window_layers(args, source, stock, ctx, count=1, size=size).order
+        print(f"kv budget: window order {order} ({time.monotonic() - started:.0f} s)", flush=True)
+        return order, None, None
     choice = window_layers(args, source, stock, ctx, count=needed or n_layer, size=size, recall_of=needed or n_layer)
+    print(f"kv budget: window order {choice.order}, the walk kept {len(choice.retrieval.kept)} "
+          f"({time.monotonic() - started:.0f} s)", flush=True)
     return choice.order, len(choice.retrieval.kept), choice.global_recall
 
 
