@@ -767,9 +767,9 @@ def budget_window_order(args, source, n_layer: int, ctx: int, size: int, needed:
     (calibration.windows.WindowChoice.order: each measured alone on the stock model, and walked with the
     retrieval probes unless --window-retrieval off, as far as ``needed`` kept layers; the count and the recall
     are None without the walk)."""
-    from nbl_gguf.gguf import nbl_format
-
     import time
+
+    from nbl_gguf.gguf import nbl_format
 
     stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
     # the longest silent stage of a budget (50 min for Qwen2.5-Coder-0.5B at 4,096 tokens on 2 cores): say what it is
@@ -779,13 +779,14 @@ def budget_window_order(args, source, n_layer: int, ctx: int, size: int, needed:
           f"tokens{walk}", flush=True)
     started = time.monotonic()
     if args.window_retrieval is None:
-        order = window_layers(args, source, stock, ctx, count=1, size=size).order
-        print(f"kv budget: window order {order} ({time.monotonic() - started:.0f} s)", flush=True)
-        return order, None, None
-    choice = window_layers(args, source, stock, ctx, count=needed or n_layer, size=size, recall_of=needed or n_layer)
-    print(f"kv budget: window order {choice.order}, the walk kept {len(choice.retrieval.kept)} "
-          f"({time.monotonic() - started:.0f} s)", flush=True)
-    return choice.order, len(choice.retrieval.kept), choice.global_recall
+        order, kept, recall = window_layers(args, source, stock, ctx, count=1, size=size).order, None, None
+    else:
+        choice = window_layers(args, source, stock, ctx, count=needed or n_layer, size=size,
+                               recall_of=needed or n_layer)
+        order, kept, recall = choice.order, len(choice.retrieval.kept), choice.global_recall
+    walked = "" if kept is None else f", the walk kept {kept}"
+    print(f"kv budget: window order {order}{walked} ({time.monotonic() - started:.0f} s)", flush=True)
+    return order, kept, recall
 
 
 # --- --kv-budget, --total-budget ---------------------------------------------------------------------------
