@@ -189,6 +189,58 @@ def test_candidates_holding_refused_window_layers_rank_last(monkeypatch):
     assert kept == sorted(kept)
 
 
+@pytest.mark.parametrize("refused_best", [True, False])
+def test_candidates_holding_refused_window_layers_are_not_measured_where_one_holds_none(monkeypatch, refused_best):
+    """They rank after every candidate that holds none whatever they measure, so measuring only the others
+    chooses the same candidate, in the same order, with fewer perplexities; where all hold some, all are
+    measured."""
+    from nbl_gguf.llamacpp import perplexity as llama_perplexity
+
+    model = KvModel(layers=tuple(KvLayer(w, w) for w in (256, 64, 256, 64, 128)))
+    found = kv_budget.candidates(model, 32768, 40 * 10 ** 6, [3, 1, 4, 0], [2, 0, 4, 1, 3], [(512, 4)],
+                                 window_kept=1)
+    files = {c: f"c{i}" for i, c in enumerate(found)}
+    by_path = {"stock": None} | {path: c for c, path in files.items()}
+    runs = []
+
+    def fake(path, text, **_):
+        runs.append(path)
+        candidate = by_path[path]
+        touched = 0 if candidate is None else len(candidate.layers + candidate.windows)
+        return type("P", (), {"ppl": 10.0 + (-5 if candidate is not None and candidate.refused and refused_best
+                                             else touched)})()
+
+    monkeypatch.setattr(llama_perplexity, "perplexity", fake)
+    _, everything, _ = kv_budget.measure("stock", files, {"c4": "t"}, 4096, 1, 1, log=lambda *_: None)
+    runs.clear()
+    logged = []
+    kept, outranked = kv_budget.without_outranked(files, log=logged.append)
+    assert outranked == [c for c in found if c.refused] and outranked and len(kept) < len(files)
+    assert all(candidate.label in line and "not measured" in line for candidate, line in zip(outranked, logged))
+    _, measured, _ = kv_budget.measure("stock", kept, {"c4": "t"}, 4096, 1, 1, log=lambda *_: None)
+    assert sorted(runs) == sorted(["stock"] + list(kept.values()))
+    assert [r.candidate for r in measured] == [r.candidate for r in everything if not r.candidate.refused]
+    # every candidate holding refused layers: nothing to rank them after, so all are measured
+    only_refused = {c: path for c, path in files.items() if c.refused}
+    assert kv_budget.without_outranked(only_refused, log=logged.append) == (only_refused, [])
+
+
+def test_the_summary_names_the_candidates_left_unmeasured(tmp_path):
+    from nbl_gguf.commands.convert_summary import Summary
+
+    row = {"label": "2 window layers (W = 512), KV q8_0", "kv_type": "q8_0", "m": 0, "layers": [], "windows": [1, 2],
+           "refused_windows": [], "kv_bytes": 2 ** 20, "passkey_found": None, "perplexity": {}, "change_pct": 1.3}
+    budget = {"bytes": 2 ** 21, "n_ctx": 32768, "eval_ctx": 4096, "chunks": 1, "stock_ppl": {}, "candidates": [row]}
+    summary = Summary(model="m", quant="Q4_K_M", method="attn-nbl", criterion="best", n_layer=4, replaced=[],
+                      scores=None, stock_bytes=1, nbl_bytes=1, kv={}, output=tmp_path / "o.gguf", budget=budget)
+    assert not any("not measured" in line for line in summary.budget_lines())
+    budget["unmeasured"] = [{"label": "3 window layers (W = 512), KV f16 (refused by the retrieval walk: 4)"},
+                            {"label": "4 window layers (W = 128), KV f16 (refused by the retrieval walk: 4, 1)"}]
+    line = next(line for line in summary.budget_lines() if "not measured" in line)
+    assert line.endswith("3 window layers (W = 512), KV f16 (refused by the retrieval walk: 4); "
+                         "4 window layers (W = 128), KV f16 (refused by the retrieval walk: 4, 1)")
+
+
 def test_candidates_that_find_fewer_passkeys_than_stock_rank_after_those_that_find_as_many(monkeypatch):
     """With recall depths, stock and each candidate take the passkey test with their own cache type; the
     best-measuring candidate loses keys, so the next one by perplexity that keeps them all is chosen."""

@@ -941,6 +941,7 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
         if not files:
             raise NblError(f"--total-budget {args.total_budget}: no candidate's weights, buffers and KV cache fit (each "
                            f"is logged above); raise the budget or lower --ctx-size")
+    files, outranked = kv_budget.without_outranked(files)
     # enough for the chunks at any tokenizer's length of token (llama-perplexity wants 2 x ctx tokens)
     chars = CHARS_PER_TOKEN_BOUND * 2 * budget.eval_ctx * BUDGET_CHUNKS
     texts = {kind: write_selection_text(kind, tmp / f"budget-{kind}.txt", chars) for kind in KINDS}
@@ -963,7 +964,9 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
                               "kv_bytes": r.candidate.kv_bytes, "weight_bytes": weights.get(r.candidate),
                               "buffer_bytes": buffers.get(r.candidate),
                               "passkey_found": r.found,
-                              "perplexity": r.perplexity, "change_pct": r.change_pct} for r in measured]}
+                              "perplexity": r.perplexity, "change_pct": r.change_pct} for r in measured],
+              "unmeasured": [{"label": c.label, "kv_type": c.kv_type, "kv_bytes": c.kv_bytes,
+                              "windows": list(c.windows), "refused_windows": list(c.refused)} for c in outranked]}
     return measured[0].candidate, report, Path(files[measured[0].candidate])
 
 

@@ -175,6 +175,11 @@ class Summary:
         if any(c.get("refused_windows") for c in b["candidates"]):
             lines.append("    (a candidate with window layers the retrieval walk refused ranks after those without: "
                          "perplexity cannot see recall beyond the window)")
+        unmeasured = b.get("unmeasured") or []
+        if unmeasured:
+            lines.append("    not measured, since they rank after every candidate above (they hold window layers "
+                         "the retrieval walk refused: perplexity cannot see recall beyond the window): "
+                         + "; ".join(c["label"] for c in unmeasured))
         recall = b.get("window_recall")
         if recall:
             best = ", ".join(f"{layer} ({recall['losses'][str(layer)]:.3f})" for layer in recall["ranking"][:4])

@@ -17,7 +17,8 @@ as much at long ones). A smaller W frees room for more global layers (those that
 at the same budget, and costs the window layers their mixing beyond W: measured, not ruled. Where the window order came from the retrieval walk
 (``--window-retrieval``), a candidate that needs more window layers than the walk kept holds layers it
 refused: perplexity cannot see what they cost (recall of a fact beyond the window), so such a candidate
-ranks after every one that holds none, whatever its perplexity. With ``recall_depths``, each candidate
+ranks after every one that holds none, whatever its perplexity (so, where one holds none, it is not measured:
+without_outranked). With ``recall_depths``, each candidate
 and the stock file also take the passkey test (measurement.passkey) at the measurement's context through
 llama.cpp with the candidate's own cache type, which the walk (PyTorch, no quantized cache) cannot see; a
 candidate that finds fewer keys than stock ranks after those that find as many, and among those that find
@@ -277,6 +278,20 @@ def within_total(files: dict[Candidate, object], weights: dict[Candidate, int], 
         else:
             kept[candidate] = path
     return kept
+
+
+def without_outranked(files: dict[Candidate, object], log=print) -> tuple[dict, list[Candidate]]:
+    """(the ``files`` worth measuring, those left unmeasured). A candidate holding window layers the retrieval walk
+    refused ranks after every candidate that holds none, whatever either measures (measure's order), so where any
+    holds none those that do cannot be chosen: measuring them (a few minutes each at 0.5B on 2 cores) would change
+    nothing but the summary's table. They are logged and left out; where every candidate holds some, all stay."""
+    if all(candidate.refused for candidate in files):
+        return files, []
+    outranked = [candidate for candidate in files if candidate.refused]
+    for candidate in outranked:
+        log(f"kv budget: {candidate.label}: not measured: it ranks after every candidate without refused window "
+            f"layers")
+    return {c: path for c, path in files.items() if not c.refused}, outranked
 
 
 def weight_down(model: KvModel, n_ctx: int, total: int, weight_type: str, weights: int, buffers: dict[str, int],
