@@ -406,6 +406,39 @@ def test_window_candidates_are_measured_with_their_windows(tiny_gguf, tmp_path, 
     assert (windows is not None) == ("window layers" in chosen)
 
 
+def test_a_budget_run_again_takes_its_window_order_and_measurements_from_the_first(tiny_gguf, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """The same convert twice (as after an interruption): the second runs no window stage and no perplexity, and
+    writes the same file; another window size is another window order, measured."""
+    from nbl_gguf.llamacpp import perplexity as llama_perplexity
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    command = ["convert", "--model", str(tiny_gguf), "--kv-budget", "1.2MiB", "--kv-budget-passkey", "off",
+               "--ctx-size", "4096", "--window-size", "64", "--window-sinks", "2", "--nsamples", "8", "--seqlen", "64",
+               "--no-progress", "--threads", "1", "--eval-chunks", "1", "--no-eval"]
+    assert main(command + ["-o", str(tmp_path / "first.gguf")]) == 0
+    first = capsys.readouterr().out
+    order = next(line for line in first.splitlines() if line.startswith("kv budget: window order"))
+    assert not order.endswith("(kept from an earlier run)")
+    measured = [line for line in first.splitlines() if line.startswith("kv budget: ") and "held-out perplexity" in line]
+    assert measured and not any("earlier run" in line for line in measured)
+
+    real, runs = llama_perplexity.perplexity, []
+    monkeypatch.setattr(llama_perplexity, "perplexity", lambda *a, **k: runs.append(a) or real(*a, **k))
+    assert main(command + ["-o", str(tmp_path / "second.gguf")]) == 0
+    second = capsys.readouterr().out
+    assert order.split(" (")[0] + " (kept from an earlier run)" in second.splitlines()
+    again = [line for line in second.splitlines() if line.startswith("kv budget: ") and "held-out perplexity" in line]
+    assert again == [line + " (kept from an earlier run)" for line in measured] and runs == []
+    assert (tmp_path / "second.gguf").read_bytes() == (tmp_path / "first.gguf").read_bytes()
+
+    assert main(command[:command.index("64")] + ["96"] + command[command.index("64") + 1:]
+                + ["-o", str(tmp_path / "third.gguf")]) == 0
+    third = capsys.readouterr().out
+    assert not next(line for line in third.splitlines() if line.startswith("kv budget: window order")).endswith(
+        "(kept from an earlier run)")
+
+
 @pytest.mark.llama
 def test_a_smaller_micro_batch_fits_window_layers_where_llama_cpps_default_does_not(tiny_gguf, tmp_path, monkeypatch,
                                                                                     capsys):

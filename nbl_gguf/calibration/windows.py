@@ -218,6 +218,13 @@ class GlobalRecall:
         return {"windows": list(self.windows), "base_loss": self.base_loss,
                 "losses": {str(k): v for k, v in sorted(self.losses.items())}, "ranking": self.ranking}
 
+    @classmethod
+    def from_report(cls, report: dict | None) -> GlobalRecall | None:
+        """The GlobalRecall that gave ``report`` (None for None)."""
+        if report is None:
+            return None
+        return cls(tuple(report["windows"]), report["base_loss"], {int(k): v for k, v in report["losses"].items()})
+
 
 def window_layer_map(window: Window, maps: Callable | None) -> Callable:
     """The variant evaluator's ``linear(layer, type)``: ``window`` for a window layer, else ``maps(layer, type)``

@@ -769,24 +769,52 @@ def budget_window_order(args, source, n_layer: int, ctx: int, size: int, needed:
     are None without the walk)."""
     import time
 
+    from nbl_gguf.calibration.windows import GlobalRecall
     from nbl_gguf.gguf import nbl_format
+    from nbl_gguf.measurement.memo import Memo, memo_root
 
     stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
-    # the longest silent stage of a budget (50 min for Qwen2.5-Coder-0.5B at 4,096 tokens on 2 cores): say what it is
-    walk = "" if args.window_retrieval is None else \
-        f", then walking them with retrieval probes as far as {needed or n_layer} kept"
-    print(f"kv budget: measuring each of the {n_layer} layers as a window layer of {size} tokens at {ctx:,} "
-          f"tokens{walk}", flush=True)
-    started = time.monotonic()
-    if args.window_retrieval is None:
-        order, kept, recall = window_layers(args, source, stock, ctx, count=1, size=size).order, None, None
-    else:
+
+    def measured() -> dict:
+        if args.window_retrieval is None:
+            return {"order": window_layers(args, source, stock, ctx, count=1, size=size).order, "kept": None,
+                    "recall": None}
         choice = window_layers(args, source, stock, ctx, count=needed or n_layer, size=size,
                                recall_of=needed or n_layer)
-        order, kept, recall = choice.order, len(choice.retrieval.kept), choice.global_recall
+        return {"order": choice.order, "kept": len(choice.retrieval.kept),
+                "recall": choice.global_recall.report() if choice.global_recall is not None else None}
+
+    # kept on disk under everything it depends on: a budget run again after an interruption starts past it
+    memo, key = Memo(memo_root()), window_order_key(args, source, ctx, size, needed)
+    found, when = memo.get(key), "kept from an earlier run"
+    if found is None:
+        # the longest silent stage of a budget (50 min for Qwen2.5-Coder-0.5B at 4,096 tokens on 2 cores): say what
+        # it is
+        walk = "" if args.window_retrieval is None else \
+            f", then walking them with retrieval probes as far as {needed or n_layer} kept"
+        print(f"kv budget: measuring each of the {n_layer} layers as a window layer of {size} tokens at {ctx:,} "
+              f"tokens{walk}", flush=True)
+        started = time.monotonic()
+        found = measured()
+        memo.put(key, found)
+        when = f"{time.monotonic() - started:.0f} s"
+    order, kept, recall = found["order"], found["kept"], GlobalRecall.from_report(found["recall"])
     walked = "" if kept is None else f", the walk kept {kept}"
-    print(f"kv budget: window order {order}{walked} ({time.monotonic() - started:.0f} s)", flush=True)
+    print(f"kv budget: window order {order}{walked} ({when})", flush=True)
     return order, kept, recall
+
+
+def window_order_key(args, source, ctx: int, size: int, needed: int | None) -> dict:
+    """What budget_window_order's result depends on: the model, the text (this package's, by its version), the
+    window, the walk and how the stream computes."""
+    from nbl_gguf import __version__, models
+    from nbl_gguf.calibration.resume import model_identity
+
+    device = models.resolve_device(args.device)
+    return {"what": "budget window order", "model": model_identity(source), "ctx": ctx, "size": size,
+            "sinks": args.window_sinks, "needed": needed, "ranking": args.window_ranking,
+            "retrieval": args.window_retrieval, "device": device, "dtype": str(models.resolve_dtype(args.dtype, device)),
+            "threads": args.threads, "version": __version__}
 
 
 # --- --kv-budget, --total-budget ---------------------------------------------------------------------------
@@ -891,6 +919,7 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     stock file itself for m = 0) and measured."""
     from nbl_gguf.calibration.dataset import CHARS_PER_TOKEN_BOUND, KINDS, write_selection_text
     from nbl_gguf.measurement import kv_budget
+    from nbl_gguf.measurement.memo import Memo, memo_root
     from nbl_gguf.measurement.passkey import DEPTHS
 
     # the order the layers join in as m grows (each m's set holds the last's, so that the candidates nest): best's
@@ -947,7 +976,7 @@ def choose_for_budget(budget: KvBudget, artifact, args, source, method, n_layer,
     texts = {kind: write_selection_text(kind, tmp / f"budget-{kind}.txt", chars) for kind in KINDS}
     depths = DEPTHS if args.kv_budget_passkey == "on" else ()  # eval --passkey's default depths
     base, measured, stock_found = kv_budget.measure(stock, files, texts, budget.eval_ctx, BUDGET_CHUNKS, args.threads,
-                                                    recall_depths=depths)
+                                                    recall_depths=depths, memo=Memo(memo_root()))
     report = {"bytes": budget.bytes, "total_bytes": budget.total,
               "weight_bytes": budget.held.weights if budget.held else None,
               "buffer_bytes": budget.held.buffers if budget.held else None, "n_ctx": budget.n_ctx, "n_ubatch": budget.n_ubatch, "eval_ctx": budget.eval_ctx,

@@ -308,15 +308,18 @@ def weight_down(model: KvModel, n_ctx: int, total: int, weight_type: str, weight
     return None
 
 
-def estimate_line(candidates: int, perplexity_s: float, passkey_s: float | None) -> str:
+def estimate_line(candidates: int, perplexity_s: float, passkey_s: float | None, kept: int = 0) -> str:
     """What the rest of the measuring will take, from the stock file's own times: each candidate's perplexity
     about as long as stock's (a quantized cache or window layers run about as fast, or faster, at these
-    contexts: docs/results/frontier.md), and each passkey test as long as stock's (at least one is taken)."""
+    contexts: docs/results/frontier.md), and each passkey test as long as stock's (at least one is taken).
+    ``kept``: the candidates whose perplexities an earlier run measured (measurement.memo), not counted."""
     line = (f"kv budget: stock measured in {perplexity_s:,.0f} s (perplexity)"
             + (f" and {passkey_s:,.0f} s (passkey)" if passkey_s is not None else "")
-            + f"; the {candidates} candidates' perplexities will take about {_duration(candidates * perplexity_s)}")
+            + (f"; {kept} candidates measured by an earlier run" if kept else ""))
+    if candidates:
+        line += f"; the {candidates} candidates' perplexities will take about {_duration(candidates * perplexity_s)}"
     if passkey_s is not None:
-        line += f", and each passkey test about {_duration(passkey_s)} (at least one)"
+        line += f"{', and' if candidates else ';'} each passkey test about {_duration(passkey_s)} (at least one)"
     return line
 
 
@@ -337,49 +340,86 @@ class Measured:
 
 
 def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int, chunks: int, threads, log=print,
-            recall_depths: tuple[float, ...] = (), clock=time.monotonic):
+            recall_depths: tuple[float, ...] = (), clock=time.monotonic, memo=None):
     """(the stock F16 perplexities, a Measured per candidate best first, the passkeys stock found (None without
     ``recall_depths``)). Best first: those that hold no window layer the retrieval walk refused, then those that
     find as many passkeys as stock, each group by perplexity (those that find fewer: by the keys they find
     first). The passkey test (a few minutes a file at long
     contexts) is taken in that order until a candidate finds as many keys as stock; the rest keep found None.
     The stock file's own times (``clock``: seconds) give the log an estimate of the
-    rest: at 8B on a 2-core CPU the candidates take hours (docs/scale.md), which a user should know early."""
+    rest: at 8B on a 2-core CPU the candidates take hours (docs/scale.md), which a user should know early.
+    ``memo`` (measurement.memo.Memo): each file's perplexities and passkeys kept under the file's and texts'
+    content, so that a run again after an interruption measures only what it had not."""
     from nbl_gguf.llamacpp.perplexity import perplexity
+    from nbl_gguf.measurement.memo import Memo, file_key, llama_build_key
     from nbl_gguf.measurement.passkey import longest_prompt, passkey
 
-    def run(path, kv_type):
-        return {kind: perplexity(path, text, n_ctx=n_ctx, chunks=chunks, threads=threads, cache_type=kv_type).ppl
+    memo = memo or Memo(None)
+    build = llama_build_key() if memo.folder is not None else None
+
+    def keyed(what: str, path, kv_type: str, **key) -> dict | None:
+        return None if memo.folder is None else \
+            {"what": what, "file": file_key(path), "kv_type": kv_type, "n_ctx": n_ctx, "threads": threads,
+             "build": build} | key
+
+    def timed(compute) -> dict:
+        started = clock()
+        value = compute()
+        return {"value": value, "s": clock() - started}
+
+    def remembered(key: dict | None, compute) -> tuple[dict, bool]:
+        """({"value", "s"}: the measurement and the seconds it took, whether it was kept from before)"""
+        return (timed(compute), False) if key is None else memo.cached(key, lambda: timed(compute))
+
+    def text_key(text) -> dict:
+        return {"text": None if memo.folder is None else file_key(text), "chunks": chunks}
+
+    def run(path, kv_type) -> tuple[dict[str, float], float, bool]:
+        """(perplexity per kind, the seconds they took when measured, whether all were kept from before)"""
+        done = {kind: remembered(keyed("llama-perplexity", path, kv_type, **text_key(text)),
+                                 lambda text=text: perplexity(path, text, n_ctx=n_ctx, chunks=chunks, threads=threads,
+                                                              cache_type=kv_type).ppl)
                 for kind, text in texts.items()}
+        return ({kind: entry["value"] for kind, (entry, _) in done.items()},
+                sum(entry["s"] for entry, _ in done.values()), all(was for _, was in done.values()))
 
-    def recall(path, kv_type) -> int | None:
+    def recall(path, kv_type) -> tuple[int | None, float, bool]:
         if not recall_depths:
-            return None
+            return None, 0.0, False
         # the prompt and its answer within the context (the training context where that is the measurement's)
-        result = passkey(path, (longest_prompt(n_ctx),), recall_depths, kv_type=kv_type, threads=threads)
-        return sum(trial.found for trial in result.trials)
+        entry, was = remembered(keyed("passkey", path, kv_type, depths=list(recall_depths)),
+                                lambda: sum(trial.found for trial in passkey(path, (longest_prompt(n_ctx),),
+                                                                             recall_depths, kv_type=kv_type,
+                                                                             threads=threads).trials))
+        return entry["value"], entry["s"], was
 
-    started = clock()
-    base = run(stock_path, "f16")
-    perplexity_done = clock()
-    stock_found = recall(stock_path, "f16")
-    passkey_s = clock() - perplexity_done
+    def kept_all(path, kv_type) -> bool:
+        return memo.folder is not None and all(
+            memo.get(keyed("llama-perplexity", path, kv_type, **text_key(text))) is not None for text in texts.values())
+
+    def before(was: bool) -> str:
+        return " (kept from an earlier run)" if was else ""
+
+    base, perplexity_s, _ = run(stock_path, "f16")
+    stock_found, passkey_s, was = recall(stock_path, "f16")
     if stock_found is not None:
-        log(f"kv budget: stock, KV f16: passkey at {n_ctx} found {stock_found}/{len(recall_depths)}")
-    log(estimate_line(len(files), perplexity_done - started, passkey_s if stock_found is not None else None))
+        log(f"kv budget: stock, KV f16: passkey at {n_ctx} found {stock_found}/{len(recall_depths)}{before(was)}")
+    left = [c for c, path in files.items() if not kept_all(path, c.kv_type)]
+    log(estimate_line(len(left), perplexity_s, passkey_s if stock_found is not None else None,
+                      kept=len(files) - len(left)))
     measured = []
     for candidate, path in files.items():
-        ppl = run(path, candidate.kv_type)
+        ppl, _, was = run(path, candidate.kv_type)
         change = sum(100 * (ppl[k] / base[k] - 1) for k in base) / len(base)
         log(f"kv budget: {candidate.label}: {format_mib(candidate.kv_bytes)}, held-out perplexity at {n_ctx} "
-            f"{change:+.2f}%")
+            f"{change:+.2f}%{before(was)}")
         measured.append(Measured(candidate, ppl, change))
     measured.sort(key=lambda r: (bool(r.candidate.refused), r.change_pct, r.candidate.kv_bytes))
     if stock_found is not None:
         # in that order until one finds as many keys as stock: it wins, so those after it need no test
         for r in measured:
-            r.found = recall(files[r.candidate], r.candidate.kv_type)
-            log(f"kv budget: {r.candidate.label}: passkey at {n_ctx} found {r.found}/{len(recall_depths)}")
+            r.found, _, was = recall(files[r.candidate], r.candidate.kv_type)
+            log(f"kv budget: {r.candidate.label}: passkey at {n_ctx} found {r.found}/{len(recall_depths)}{before(was)}")
             if not r.loses_recall(stock_found):
                 break
     # those that lose recall by the keys they still find (when none keeps them all, the file that nearly
