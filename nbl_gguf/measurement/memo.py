@@ -58,7 +58,6 @@ class Memo:
 
     def __init__(self, folder: Path | None):
         self.folder = None if folder is None else Path(folder)
-        self.taken = 0  # values found this run
 
     def _path(self, key: dict) -> Path:
         return self.folder / f"{digest({'format': MEMO_FORMAT, 'key': key})}.json"
@@ -72,7 +71,6 @@ class Memo:
             return None  # none, or unreadable: measured again
         if entry.get("key") != json.loads(json.dumps(key)):
             return None  # a digest collision, or an entry edited by hand
-        self.taken += 1
         return entry["value"]
 
     def put(self, key: dict, value) -> None:
