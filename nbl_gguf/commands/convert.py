@@ -776,18 +776,6 @@ def budget_window_order(args, source, n_layer: int, ctx: int, size: int, needed:
     stock = nbl_format.NblLayers(types=[nbl_format.ATTENTION] * n_layer)
 
     def measured() -> dict:
-        if args.window_retrieval is None:
-            return {"order": window_layers(args, source, stock, ctx, count=1, size=size).order, "kept": None,
-                    "recall": None}
-        choice = window_layers(args, source, stock, ctx, count=needed or n_layer, size=size,
-                               recall_of=needed or n_layer)
-        return {"order": choice.order, "kept": len(choice.retrieval.kept),
-                "recall": choice.global_recall.report() if choice.global_recall is not None else None}
-
-    # kept on disk under everything it depends on: a budget run again after an interruption starts past it
-    memo, key = Memo(memo_root()), window_order_key(args, source, ctx, size, needed)
-    found, when = memo.get(key), "kept from an earlier run"
-    if found is None:
         # the longest silent stage of a budget (50 min for Qwen2.5-Coder-0.5B at 4,096 tokens on 2 cores): say what
         # it is
         walk = "" if args.window_retrieval is None else \
@@ -795,9 +783,19 @@ def budget_window_order(args, source, n_layer: int, ctx: int, size: int, needed:
         print(f"kv budget: measuring each of the {n_layer} layers as a window layer of {size} tokens at {ctx:,} "
               f"tokens{walk}", flush=True)
         started = time.monotonic()
-        found = measured()
-        memo.put(key, found)
-        when = f"{time.monotonic() - started:.0f} s"
+        if args.window_retrieval is None:
+            found = {"order": window_layers(args, source, stock, ctx, count=1, size=size).order, "kept": None,
+                     "recall": None}
+        else:
+            choice = window_layers(args, source, stock, ctx, count=needed or n_layer, size=size,
+                                   recall_of=needed or n_layer)
+            found = {"order": choice.order, "kept": len(choice.retrieval.kept),
+                     "recall": choice.global_recall.report() if choice.global_recall is not None else None}
+        return found | {"s": time.monotonic() - started}
+
+    # kept on disk under everything it depends on: a budget run again after an interruption starts past it
+    found, was_kept = Memo(memo_root()).cached(window_order_key(args, source, ctx, size, needed), measured)
+    when = "kept from an earlier run" if was_kept else f"{found['s']:.0f} s"
     order, kept, recall = found["order"], found["kept"], GlobalRecall.from_report(found["recall"])
     walked = "" if kept is None else f", the walk kept {kept}"
     print(f"kv budget: window order {order}{walked} ({when})", flush=True)
