@@ -119,6 +119,7 @@ def _args(*argv):
     (["--prune-blocks", "2", "--quick"], "--prune-blocks means nothing without --frontier"),
     (["--ppl-chunks", "2,1", "--quick"], "--ppl-chunks means nothing without --frontier"),
     (["--frontier-passkey", "4096", "--quick"], "--frontier-passkey means nothing without --frontier"),
+    (["--remeasure", "--quick"], "--remeasure means nothing without --frontier"),
 ])
 def test_frontier_argument_errors(argv, message):
     with pytest.raises(NblError, match=message):
@@ -162,12 +163,14 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
     source = TinyLlama(n_layer=4, n_head=2, n_head_kv=1, n_ctx_train=2048).write_gguf(tmp_path / "tiny.gguf")
     out, work = tmp_path / "results", tmp_path / "work"
-    assert main(["bench", "--frontier", "--model", str(source), "--m", "1,2", "--calib-nsamples", "8",
-                 "--calib-seqlen", "64", "--ppl-chunks", "1,1", "-p", "16", "-n", "4", "-d", "0,64", "-r", "1", "-t", "1",
-                 "--kv-types", "q8_0/q4_0", "--nbl-kv-types", "q8_0", "--frontier-windows", "1", "--frontier-passkey", "768",
-                 "--work-dir", str(work), "-o", str(out)]) == 0
+    command = ["bench", "--frontier", "--model", str(source), "--m", "1,2", "--calib-nsamples", "8",
+               "--calib-seqlen", "64", "--ppl-chunks", "1,1", "-p", "16", "-n", "4", "-d", "0,64", "-r", "1", "-t", "1",
+               "--kv-types", "q8_0/q4_0", "--nbl-kv-types", "q8_0", "--frontier-windows", "1", "--frontier-passkey", "768",
+               "--work-dir", str(work)]
+    assert main(command + ["-o", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((out / "results.json").read_text())
+    assert result["kept"] == {"perplexity": [], "passkey": []} and "Kept from an earlier run" not in printed
     labels = [r["label"] for r in result["rows"]]
     assert labels == ["stock", "stock kv q8_0/q4_0", "stock Q8_0", "stock prune 1 blocks",
                       "nbl-m1 taps4", "nbl-m1 taps4 kv q8_0", "nbl-m2 taps4", "nbl-m2 taps4 kv q8_0",
@@ -231,6 +234,23 @@ def test_frontier_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     pruned = gguf.GGUFReader(rows["stock prune 1 blocks"]["path"])
     assert int(pruned.fields["llama.block_count"].parts[-1][0]) == 3
     assert f"--prune-layers {weakest} " in rows["stock prune 1 blocks"]["made_by"]
+
+    # run again (as after an interruption): the files from the work dir, the perplexities and passkeys from the
+    # first run, the speeds measured again; the report says what it took
+    from nbl_gguf.llamacpp import perplexity as llama_perplexity
+
+    real, runs = llama_perplexity.perplexity, []
+    monkeypatch.setattr(llama_perplexity, "perplexity", lambda *a, **k: runs.append(a) or real(*a, **k))
+    assert main(command + ["-o", str(tmp_path / "again")]) == 0
+    printed = capsys.readouterr().out
+    again = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert runs == [] and again["kept"] == {"perplexity": labels, "passkey": labels}
+    assert [(r["perplexity"], r["passkey"]) for r in again["rows"]] == \
+        [(r["perplexity"], r["passkey"]) for r in result["rows"]]
+    assert len(again["llama_bench"]) == len(result["llama_bench"])
+    assert f"the perplexities of {len(labels)} of the {len(labels)} variants and the passkeys of {len(labels)}" in printed
+    assert main(command + ["--remeasure", "-o", str(tmp_path / "remeasured")]) == 0
+    assert len(runs) == 2 * 3 * len(labels) and "Kept from an earlier run" not in capsys.readouterr().out
 
 
 @pytest.mark.llama

@@ -83,7 +83,8 @@ def test_a_budgets_measuring_run_again_after_an_interruption_measures_only_the_r
         calls.append(("ppl", path.name, text.name, cache_type))
         if len(calls) == interrupt_at[0]:
             raise KeyboardInterrupt
-        return type("P", (), {"ppl": (10.0 if text.name == "c4.txt" else 5.0) * (1 + change[path.name] / 100)})()
+        return llama_perplexity.Perplexity((10.0 if text.name == "c4.txt" else 5.0) * (1 + change[path.name] / 100),
+                                           0.1, 1, 4096)
 
     def fake_passkey(path, lengths, depths, *, kv_type, threads):
         calls.append(("passkey", path.name, kv_type))
@@ -128,3 +129,103 @@ def test_a_budgets_measuring_run_again_after_an_interruption_measures_only_the_r
     first.write_bytes(b"file 0, rewritten")
     measure(memo)
     assert {c[1] for c in calls} == {"c0.gguf"}
+
+
+def test_an_entry_of_an_earlier_form_is_measured_again_and_replaced(tmp_path, monkeypatch):
+    """Entries of the first memo version held a perplexity as a bare number; one is measured again, not misread."""
+    from nbl_gguf.llamacpp import perplexity as llama_perplexity
+    from nbl_gguf.measurement.kept_runs import KeptRuns
+
+    model, text = tmp_path / "m.gguf", tmp_path / "t.txt"
+    model.write_bytes(b"model")
+    text.write_text("text " * 20)
+    calls = []
+    monkeypatch.setattr(llama_perplexity, "perplexity",
+                        lambda path, text, **k: calls.append(k) or llama_perplexity.Perplexity(7.5, 0.2, 2, 512))
+    monkeypatch.setattr("nbl_gguf.measurement.kept_runs.llama_build_key", lambda: [["llama-perplexity", 1, 2]])
+    runs = KeptRuns(Memo(tmp_path / "memo"), threads=2)
+    key = runs._perplexity_key(model, text, 512, 2, "q8_0")
+    runs.memo.put(key, {"value": 9.25, "s": 3.0})
+    assert not runs.has_perplexity(model, text, 512, 2, "q8_0")
+    first = runs.perplexity(model, text, 512, 2, "q8_0")
+    assert not first.kept and first.value.ppl == 7.5 and calls == [{"n_ctx": 512, "chunks": 2, "threads": 2,
+                                                                    "cache_type": "q8_0"}]
+    again = KeptRuns(Memo(tmp_path / "memo"), threads=2).perplexity(model, text, 512, 2, "q8_0")
+    assert again.kept and again.value == first.value and len(calls) == 1
+    # another thread count, cache type or context is another measurement
+    for other in (KeptRuns(Memo(tmp_path / "memo"), threads=1).perplexity(model, text, 512, 2, "q8_0"),
+                  runs.perplexity(model, text, 512, 2, "f16"), runs.perplexity(model, text, 1024, 2, "q8_0")):
+        assert not other.kept
+    assert len(calls) == 4
+
+
+def test_a_frontier_run_again_measures_only_the_perplexities_and_passkeys_it_had_not(tmp_path, monkeypatch):
+    """bench --frontier's measuring killed in its fourth variant's perplexities, then run again: the second run
+    measures the rest only, and every speed again (speeds compare within one run); its rows equal those of an
+    uninterrupted run without the memo."""
+    from nbl_gguf.llamacpp import perplexity as llama_perplexity
+    from nbl_gguf.measurement import frontier
+    from nbl_gguf.measurement import llama_bench
+    from nbl_gguf.measurement import passkey as passkey_module
+
+    variants = []
+    for i, (group, kv_type) in enumerate([(frontier.STOCK, "f16"), (frontier.STOCK, "q8_0"), (frontier.KNOB, "f16"),
+                                          (frontier.NBL, "f16"), (frontier.NBL, "q4_0")]):
+        path = tmp_path / f"v{i if kv_type == 'f16' else i - 1}.gguf"
+        path.write_bytes(f"variant {path.name}".encode())
+        variants.append(frontier.Variant(f"v{i}", group, path, kv_type))
+    texts = {kind: tmp_path / f"{kind}.txt" for kind in ("c4", "code")}
+    for kind, path in texts.items():
+        path.write_text(f"{kind} " * 40)
+    calls, interrupt_at = [], [None]
+
+    def fake_perplexity(path, text, *, n_ctx, chunks, threads, cache_type):
+        calls.append(("ppl", path.name, text.name, n_ctx, cache_type))
+        if len(calls) == interrupt_at[0]:
+            raise KeyboardInterrupt
+        return llama_perplexity.Perplexity(len(path.name + text.name + cache_type) + n_ctx / 1000, 0.1, chunks, n_ctx)
+
+    def fake_passkey(path, lengths, depths, *, kv_type, threads):
+        calls.append(("passkey", path.name, kv_type))
+        return passkey_module.PasskeyResult([passkey_module.Trial(lengths[0], d, 12345, 10, "12345" if i % 2 else "no")
+                                             for i, d in enumerate(depths)])
+
+    def fake_bench(path, *, n_prompt, n_gen, depth, cache_type, **_):
+        calls.append(("bench", path.name, cache_type, depth))
+        return [{"test": "pp", "avg_ts": 100.0, "depth": depth}, {"test": "tg", "avg_ts": 10.0, "depth": depth}], \
+            ["llama-bench", "-m", str(path)]
+
+    monkeypatch.setattr(llama_perplexity, "perplexity", fake_perplexity)
+    monkeypatch.setattr(passkey_module, "passkey", fake_passkey)
+    monkeypatch.setattr(llama_bench, "run_llama_bench", fake_bench)
+    monkeypatch.setattr("nbl_gguf.measurement.kept_runs.llama_build_key", lambda: [["llama-perplexity", 1, 2]])
+    monkeypatch.setattr(frontier, "kv_bytes", lambda path, kv_type, n_ctx, readers=None: 1000)
+    settings = frontier.FrontierSettings(short_ctx=64, long_ctx=256, depths=(0, 128), threads=2, passkey=(200,))
+
+    def measure(memo):
+        rows, raw = frontier.measure(variants, texts, settings, lambda *_: None, memo=memo)
+        return [(r.label, r.perplexity, r.tokens, r.passkey, r.speed) for r in rows], raw
+
+    reference, raw = measure(None)
+    assert raw["kept"] == {"perplexity": [], "passkey": []}
+    everything = list(calls)
+    calls.clear()
+    memo = Memo(tmp_path / "memo")
+    interrupt_at[0] = 3 * 4 + 2  # 2 contexts x 2 kinds a variant: killed in the fourth's second
+    with pytest.raises(KeyboardInterrupt):
+        measure(memo)
+    before = calls[:-1]
+    calls.clear()
+    interrupt_at[0] = None
+    rows, raw = measure(memo)
+    assert rows == reference
+    assert raw["kept"] == {"perplexity": ["v0", "v1", "v2"], "passkey": []}
+    assert sorted(c for c in calls if c[0] == "ppl") == sorted(set(c for c in everything if c[0] == "ppl") - set(before))
+    assert [c for c in calls if c[0] != "ppl"] == [c for c in everything if c[0] != "ppl"]
+    # all kept now: only the speeds are measured; --remeasure (no memo) measures everything
+    calls.clear()
+    rows, raw = measure(memo)
+    assert rows == reference and {c[0] for c in calls} == {"bench"}
+    assert raw["kept"] == {"perplexity": [v.label for v in variants], "passkey": [v.label for v in variants]}
+    calls.clear()
+    assert measure(None)[0] == reference and calls == everything

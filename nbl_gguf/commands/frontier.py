@@ -16,8 +16,10 @@ The variants, each with an F16 KV cache unless named:
   twice the window), each also with those KV types, and once more on the weight type one step down (the same
   layers written into that stock file).
 
-Every variant with a quantized cache costs two to four times an F16 one on a CPU (llama.cpp's CPU flash
-attention has a tiled path for F16 K and V only), so the KV type lists are what sets the frontier's time.
+Each variant's perplexities take the same time whatever its cache type (patch 0020: the CPU flash attention's
+tiled path for quantized caches too), so the number of variants is what sets the frontier's time. The
+perplexities and passkeys are kept (measurement.kept_runs), so that a frontier interrupted and run again with the
+same --work-dir measures only what it had not; the files under the work dir are made once.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ def add_arguments(group) -> None:
     group.add_argument("--frontier-report", default=None, metavar="DIR",
                        help="write the markdown, CSV and plot of a finished frontier again from DIR/results.json, "
                             "as this version writes them (nothing is measured)")
+    group.add_argument("--remeasure", action="store_true",
+                       help="--frontier: measure every perplexity and passkey again, instead of taking those an "
+                            "earlier run of the same files, text and llama.cpp build kept (under NBL_GGUF_CACHE; "
+                            "speeds are measured again in every run)")
     group.add_argument("--ppl-chunks", type=_chunks, default=(4, 1), metavar="SHORT,LONG",
                        help="--frontier: perplexity chunks per kind of text at 512 and at the long context "
                             "(default: 4,1)")
@@ -92,7 +98,7 @@ def check_arguments(args) -> None:
     if not args.frontier:
         for name, default in (("prune_blocks", None), ("long_ctx", None), ("ctx_size", None), ("ppl_chunks", (4, 1)),
                               ("kv_types", ",".join(DEFAULT_KV_TYPES)), ("frontier_windows", None),
-                              ("frontier_passkey", None),
+                              ("frontier_passkey", None), ("remeasure", False),
                               ("nbl_kv_types", ",".join(DEFAULT_NBL_KV_TYPES))):
             if getattr(args, name) != default:
                 raise NblError(f"--{name.replace('_', '-')} means nothing without --frontier")
@@ -358,6 +364,7 @@ def run_frontier(args) -> int:
     from nbl_gguf.measurement import frontier
     from nbl_gguf.measurement.bench_report import machine_description
     from nbl_gguf.measurement.llama_bench import resolve_backends
+    from nbl_gguf.measurement.memo import Memo, memo_root
     from nbl_gguf.outputs import check_output_dir
 
     def log(message: str) -> None:
@@ -384,7 +391,8 @@ def run_frontier(args) -> int:
         tokens = max(2 * settings.short_ctx * settings.short_chunks, 2 * settings.long_ctx * settings.long_chunks)
         texts = {kind: write_evaluation_text(kind, Path(tmp) / f"heldout-{kind}.txt", CHARS_PER_TOKEN_BOUND * tokens)
                  for kind in KINDS}
-        rows, raw = frontier.measure(variants, texts, settings, log)
+        rows, raw = frontier.measure(variants, texts, settings, log,
+                                     memo=None if args.remeasure else Memo(memo_root()))
     elapsed = time.monotonic() - started
     notes = [f"Command: `{flags.invocation('bench')}`" if sys.argv[1:2] == ["bench"] else "",
              f"Perplexity: llama-perplexity on the bundled held-out text of each kind (never calibrated or selected "
@@ -398,6 +406,7 @@ def run_frontier(args) -> int:
              f"Frontier: no other variant has at most its mean change at {settings.long_ctx} tokens and at most its KV "
              f"bytes (KV) or at least its decode speed at depth {max(settings.depths)} (decode).",
              *notes,
+             kept_note(raw["kept"], len(variants)),
              f"Wall time: {elapsed / 60:.1f} min ({made_s / 60:.1f} min of it making the files). "
              f"Machine: {_machine_line(machine_description(), devices)}."]
     notes = [n for n in notes if n]
@@ -405,6 +414,17 @@ def run_frontier(args) -> int:
                  "making_files_s": round(made_s, 1)}
     title = f"Frontier: {name} against llama.cpp's own knobs"
     return _report(args, out, title, rows, settings, raw, notes)
+
+
+def kept_note(kept: dict[str, list[str]], variants: int) -> str:
+    """What of the measuring an earlier run did (the wall time does not count it); '' when nothing."""
+    parts = [f"the {what} of {len(labels)} of the {variants} variants" for what, labels in
+             (("perplexities", kept.get("perplexity", [])), ("passkeys", kept.get("passkey", []))) if labels]
+    if not parts:
+        return ""
+    return (f"Kept from an earlier run of the same files, text and llama.cpp build, not measured in this one: "
+            f"{' and '.join(parts)} (results.json names them); --remeasure measures them again. Speeds are measured "
+            f"in every run.")
 
 
 def _machine_line(machine: dict, devices: list[str]) -> str:

@@ -115,36 +115,46 @@ class Row:
 
 # --- measuring -------------------------------------------------------------------------------------
 
-def measure_perplexity(variants: list[Variant], texts: dict[str, Path], settings: FrontierSettings, log) -> dict:
-    """{label: {ctx: {kind: Perplexity}}} by llama-perplexity with each variant's cache type."""
-    from nbl_gguf.llamacpp.perplexity import perplexity
+def measure_perplexity(variants: list[Variant], texts: dict[str, Path], settings: FrontierSettings, log,
+                       runs=None) -> tuple[dict, list[str]]:
+    """({label: {ctx: {kind: Perplexity}}} by llama-perplexity with each variant's cache type, the labels of those
+    whose perplexities were all kept from an earlier run). ``runs``: a measurement.kept_runs.KeptRuns."""
+    from nbl_gguf.measurement.kept_runs import KeptRuns
 
-    out = {}
+    runs = runs or KeptRuns(threads=settings.threads)
+    out, kept = {}, []
     for index, variant in enumerate(variants, 1):
         started = time.monotonic()
-        out[variant.label] = {
-            ctx: {kind: perplexity(variant.path, text, n_ctx=ctx, chunks=chunks, threads=settings.threads,
-                                   cache_type=variant.kv_type)
-                  for kind, text in texts.items()}
-            for ctx, chunks in ((settings.short_ctx, settings.short_chunks), (settings.long_ctx, settings.long_chunks))}
+        done = {ctx: {kind: runs.perplexity(variant.path, text, ctx, chunks, variant.kv_type)
+                      for kind, text in texts.items()}
+                for ctx, chunks in ((settings.short_ctx, settings.short_chunks), (settings.long_ctx, settings.long_chunks))}
+        out[variant.label] = {ctx: {kind: r.value for kind, r in kinds.items()} for ctx, kinds in done.items()}
+        was_kept = all(r.kept for kinds in done.values() for r in kinds.values())
+        if was_kept:
+            kept.append(variant.label)
         shown = ", ".join(f"{kind} {out[variant.label][settings.long_ctx][kind].ppl:.3f}" for kind in texts)
         log(f"[perplexity {index}/{len(variants)}] {variant.label}: at {settings.long_ctx} {shown} "
-            f"({time.monotonic() - started:.0f} s)")
-    return out
+            + ("(kept from an earlier run)" if was_kept else f"({time.monotonic() - started:.0f} s)"))
+    return out, kept
 
 
-def measure_passkey(variants: list[Variant], settings: FrontierSettings, log) -> dict:
-    """{label: PasskeyResult}: each variant's greedy answers to the passkey prompts, with its cache type."""
-    from nbl_gguf.measurement.passkey import found_of_asked, passkey
+def measure_passkey(variants: list[Variant], settings: FrontierSettings, log, runs=None) -> tuple[dict, list[str]]:
+    """({label: PasskeyResult}: each variant's greedy answers to the passkey prompts, with its cache type; the
+    labels of those kept from an earlier run)."""
+    from nbl_gguf.measurement.kept_runs import KeptRuns
+    from nbl_gguf.measurement.passkey import DEPTHS, found_of_asked
 
-    out = {}
+    runs = runs or KeptRuns(threads=settings.threads)
+    out, kept = {}, []
     for index, variant in enumerate(variants, 1):
-        started = time.monotonic()
-        out[variant.label] = result = passkey(variant.path, settings.passkey, kv_type=variant.kv_type,
-                                              threads=settings.threads)
+        run = runs.passkey(variant.path, settings.passkey, DEPTHS, variant.kv_type)
+        out[variant.label] = result = run.value
+        if run.kept:
+            kept.append(variant.label)
         shown = ", ".join(f"{found_of_asked(result.found(n))} at {n}" for n in settings.passkey)
-        log(f"[passkey {index}/{len(variants)}] {variant.label}: {shown} ({time.monotonic() - started:.0f} s)")
-    return out
+        log(f"[passkey {index}/{len(variants)}] {variant.label}: {shown} "
+            + ("(kept from an earlier run)" if run.kept else f"({run.seconds:.0f} s)"))
+    return out, kept
 
 
 def measure_speed(variants: list[Variant], settings: FrontierSettings, log) -> tuple[list[dict], list[str]]:
@@ -199,15 +209,21 @@ def kv_bytes(path: Path, kv_type: str, n_ctx: int, readers: dict | None = None) 
     return size.bytes
 
 
-def measure(variants: list[Variant], texts: dict[str, Path], settings: FrontierSettings, log) -> tuple[list[Row], dict]:
-    """Every variant's row, and the raw llama-bench records and commands."""
+def measure(variants: list[Variant], texts: dict[str, Path], settings: FrontierSettings, log,
+            memo=None) -> tuple[list[Row], dict]:
+    """Every variant's row, and the raw llama-bench records and commands. ``memo`` (measurement.memo.Memo): the
+    perplexities and passkeys kept there by an earlier run are taken (measurement.kept_runs), the speeds are
+    measured again, side by side; raw["kept"] names the variants whose perplexities and passkeys were taken."""
+    from nbl_gguf.measurement.kept_runs import KeptRuns
+
     labels = [v.label for v in variants]
     if len(set(labels)) != len(labels):
         raise NblError(f"two frontier variants share a label: {labels}")
     if not variants or variants[0].group != STOCK or variants[0].kv_type != "f16":
         raise NblError("the frontier's first variant must be the stock file with an F16 cache (the reference)")
-    perplexities = measure_perplexity(variants, texts, settings, log)
-    passkeys = measure_passkey(variants, settings, log) if settings.passkey else {}
+    runs = KeptRuns(memo, settings.threads)
+    perplexities, kept = measure_perplexity(variants, texts, settings, log, runs)
+    passkeys, kept_passkeys = measure_passkey(variants, settings, log, runs) if settings.passkey else ({}, [])
     records, commands = measure_speed(variants, settings, log)
     speeds = mean_speeds(records)
     rows, readers = [], {}
@@ -219,7 +235,8 @@ def measure(variants: list[Variant], texts: dict[str, Path], settings: FrontierS
                         tokens={ctx: {k: p.tokens for k, p in kinds.items()} for ctx, kinds in measured.items()},
                         speed=speeds.get(variant.label, {}),
                         passkey={n: passkeys[variant.label].found(n) for n in settings.passkey}))
-    raw = {"llama_bench": records, "llama_bench_commands": commands}
+    raw = {"llama_bench": records, "llama_bench_commands": commands,
+           "kept": {"perplexity": kept, "passkey": kept_passkeys}}
     if passkeys:  # the answers, to read what a variant said instead of the key
         raw["passkey"] = {label: result.report() for label, result in passkeys.items()}
     return rows, raw

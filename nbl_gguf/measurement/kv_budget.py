@@ -350,52 +350,26 @@ def measure(stock_path, files: dict[Candidate, object], texts: dict, n_ctx: int,
     rest: at 8B on a 2-core CPU the candidates take hours (docs/scale.md), which a user should know early.
     ``memo`` (measurement.memo.Memo): each file's perplexities and passkeys kept under the file's and texts'
     content, so that a run again after an interruption measures only what it had not."""
-    from nbl_gguf.llamacpp.perplexity import perplexity
-    from nbl_gguf.measurement.memo import Memo, file_key, llama_build_key
-    from nbl_gguf.measurement.passkey import longest_prompt, passkey
+    from nbl_gguf.measurement.kept_runs import KeptRuns
+    from nbl_gguf.measurement.passkey import longest_prompt
 
-    memo = memo or Memo(None)
-    build = llama_build_key() if memo.folder is not None else None
-
-    def keyed(what: str, path, kv_type: str, **key) -> dict | None:
-        return None if memo.folder is None else \
-            {"what": what, "file": file_key(path), "kv_type": kv_type, "n_ctx": n_ctx, "threads": threads,
-             "build": build} | key
-
-    def timed(compute) -> dict:
-        started = clock()
-        value = compute()
-        return {"value": value, "s": clock() - started}
-
-    def remembered(key: dict | None, compute) -> tuple[dict, bool]:
-        """({"value", "s"}: the measurement and the seconds it took, whether it was kept from before)"""
-        return (timed(compute), False) if key is None else memo.cached(key, lambda: timed(compute))
-
-    def text_key(text) -> dict:
-        return {"text": None if memo.folder is None else file_key(text), "chunks": chunks}
+    runs = KeptRuns(memo, threads, clock)
 
     def run(path, kv_type) -> tuple[dict[str, float], float, bool]:
         """(perplexity per kind, the seconds they took when measured, whether all were kept from before)"""
-        done = {kind: remembered(keyed("llama-perplexity", path, kv_type, **text_key(text)),
-                                 lambda text=text: perplexity(path, text, n_ctx=n_ctx, chunks=chunks, threads=threads,
-                                                              cache_type=kv_type).ppl)
-                for kind, text in texts.items()}
-        return ({kind: entry["value"] for kind, (entry, _) in done.items()},
-                sum(entry["s"] for entry, _ in done.values()), all(was for _, was in done.values()))
+        done = {kind: runs.perplexity(path, text, n_ctx, chunks, kv_type) for kind, text in texts.items()}
+        return ({kind: r.value.ppl for kind, r in done.items()}, sum(r.seconds for r in done.values()),
+                all(r.kept for r in done.values()))
 
     def recall(path, kv_type) -> tuple[int | None, float, bool]:
         if not recall_depths:
             return None, 0.0, False
         # the prompt and its answer within the context (the training context where that is the measurement's)
-        entry, was = remembered(keyed("passkey", path, kv_type, depths=list(recall_depths)),
-                                lambda: sum(trial.found for trial in passkey(path, (longest_prompt(n_ctx),),
-                                                                             recall_depths, kv_type=kv_type,
-                                                                             threads=threads).trials))
-        return entry["value"], entry["s"], was
+        r = runs.passkey(path, (longest_prompt(n_ctx),), recall_depths, kv_type)
+        return sum(trial.found for trial in r.value.trials), r.seconds, r.kept
 
     def kept_all(path, kv_type) -> bool:
-        return memo.folder is not None and all(
-            memo.get(keyed("llama-perplexity", path, kv_type, **text_key(text))) is not None for text in texts.values())
+        return all(runs.has_perplexity(path, text, n_ctx, chunks, kv_type) for text in texts.values())
 
     def before(was: bool) -> str:
         return " (kept from an earlier run)" if was else ""

@@ -1,13 +1,14 @@
-"""Measurements kept on disk under what they measured, so that a long command run again after an interruption
-(SIGINT, SIGTERM, a killed process) takes what it had measured instead of measuring it again.
+"""Measurements kept on disk under what they measured, so that a long command run again after an interruption (SIGINT,
+SIGTERM, a killed process) takes what it had measured instead of measuring it again.
 
-`convert --kv-budget/--total-budget` measures each candidate file for minutes (Qwen2.5-Coder-0.5B on 2 cores:
-3.5 min a candidate, 22 candidates, and a 50-min window stage before them), and an interruption used to lose
-all of it. A measurement here is a pure function of its key: the measured file's content (sha256), the text's,
-the tool's settings and the llama.cpp build that ran it (its binaries' sizes and modification times: a rebuild
-is another build); the window stage's key is the calibration-resume kind (the model's identity, the settings,
-this package's version). A key that differs in anything is another entry, so a result is never taken for
-another file, text or build. One JSON file an entry under ``NBL_GGUF_CACHE/measurements``, written by rename:
+`convert --kv-budget/--total-budget` measures each candidate file for minutes (Qwen2.5-Coder-0.5B on 2 cores: 3.5
+min a candidate, 22 candidates, and a 50-min window stage before them), and an interruption used to lose all of it;
+so did `bench --frontier` (30 variants, 30-90 min on 2 cores). measurement.kept_runs puts llama-perplexity and the
+passkey test through it for both. A measurement here is a pure function of its key: the measured file's content
+(sha256), the text's, the tool's settings and the llama.cpp build that ran it (its binaries' sizes and modification
+times: a rebuild is another build); the window stage's key is the calibration-resume kind (the model's identity,
+the settings, this package's version). A key that differs in anything is another entry, so a result is never taken
+for another file, text or build. One JSON file an entry under ``NBL_GGUF_CACHE/measurements``, written by rename:
 an interrupted write leaves no entry.
 """
 
