@@ -231,12 +231,15 @@ def test_window_layers_alone_run_no_calibration(family, tmp_path, monkeypatch):
 
     name, model_dir, artifact_dir, _ = family
     options = dict(model=str(model_dir), m=0, quant="f32", windows=2, window_size=8, window_sinks=2, window_ctx=128)
+    # each its own cache: the window choice is kept there, and the second must measure its own
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache-given"))
     given = convert(convert_args(**options, calibration=str(artifact_dir), output=str(tmp_path / "given.gguf")))
 
     def no_calibration(*_args, **_kwargs):
         raise AssertionError("a window-only convert calibrated")
 
     monkeypatch.setattr(calibrate_module, "calibrate", no_calibration)
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache-alone"))
     alone = convert(convert_args(**options, output=str(tmp_path / "alone.gguf")))
     assert not any(stage.startswith("calibrate") or stage == "load calibration" for stage in alone.resources)
     assert alone.windows["layers"] == given.windows["layers"] and len(alone.windows["layers"]) == 2
@@ -257,6 +260,22 @@ def test_window_layers_alone_run_no_calibration(family, tmp_path, monkeypatch):
     assert f"0 of {N_LAYER} attention layers replaced" in text and "windows:       2 layers" in text
     assert f"calibration:   model      {model_dir.name}\n" in text
     assert "scores:" not in text and "method:" not in text  # no map: nothing was scored or chosen by a method
+
+    # the same convert again (another output, as after an interruption): the choice is the one kept, not measured
+    from nbl_gguf.calibration import windows as windows_module
+
+    def not_measured(*_args, **_kwargs):
+        raise AssertionError("the window choice was measured again")
+
+    monkeypatch.setattr(windows_module, "choose_windows", not_measured)
+    again = convert(convert_args(**options, output=str(tmp_path / "again.gguf")))
+    assert again.windows == alone.windows and again.replaced == []
+    reader = gguf.GGUFReader(tmp_path / "again.gguf")
+    assert {t.name: bytes(t.data.tobytes()) for t in reader.tensors} == tensors["alone.gguf"]
+    assert nbl_format.read_windows(reader) == nbl_format.read_windows(readers["alone.gguf"])
+    # on top of replaced layers the choice is another one: measured
+    with pytest.raises(AssertionError, match="the window choice was measured again"):
+        convert(convert_args(**(options | {"m": 1}), calibration=str(artifact_dir), output=str(tmp_path / "m1.gguf")))
 
 
 @pytest.mark.parametrize("family", ["qwen2"], indirect=True)

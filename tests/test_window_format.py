@@ -4,6 +4,7 @@ and reads back, what it refuses, and the KV figures inspect gives for them again
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 
 from nbl_gguf import kv_cache
@@ -109,3 +110,30 @@ def test_an_architecture_with_sliding_layers_of_its_own_is_refused(tmp_path):
                                        "llama, qwen2, qwen3, phi3, smollm3 only"):
         nbl_format.write_nbl_gguf(stock, tmp_path / "out.gguf", layers)
     assert not list(tmp_path.glob("*out.gguf*"))
+
+
+def test_the_maps_digest_changes_with_any_map_and_type_only():
+    """NblLayers.maps_digest keys a window choice made on top of replaced layers (convert --windows, kept on disk):
+    the same maps give the same digest; a changed value, type or taps field another."""
+    from nbl_gguf.calibration.taps import TapsMap
+
+    tiny = TinyLlama(n_layer=4, seed=4)
+
+    def layers(**change):
+        linear = tiny.random_linear([1])
+        taps = {2: TapsMap(4, np.eye(tiny.n_embd), np.zeros(tiny.n_embd), lag=np.ones((tiny.n_embd, 3 * tiny.n_embd)))}
+        types = [A, L, nbl_format.TAPS, A]
+        if "weight" in change:
+            linear[1][0][0, 0] += change["weight"]
+        if "taps" in change:
+            taps[2].lag[1, 2] = change["taps"]
+        if "types" in change:
+            types = change["types"]
+        return nbl_format.NblLayers(types=types, linear=linear, taps=taps, windows=change.get("windows"))
+
+    base = layers().maps_digest()
+    assert layers().maps_digest() == base
+    assert layers(windows=nbl_format.Windows(layers=(0,), size=8, sinks=2)).maps_digest() == base  # not a map
+    others = [layers(weight=1e-6), layers(taps=0.5), layers(types=[L, L, nbl_format.TAPS, A])]
+    assert len({base, *(other.maps_digest() for other in others)}) == 4
+    assert nbl_format.NblLayers(types=[A] * 4).maps_digest() != nbl_format.NblLayers(types=[A] * 5).maps_digest()

@@ -6,6 +6,7 @@ candidate, with and without NBL layers replaced before it, by each of its rankin
 from __future__ import annotations
 
 import inspect
+import json
 
 import numpy as np
 import pytest
@@ -416,3 +417,19 @@ def test_scored_nll_is_token_nll_at_the_scored_positions(stream_and_model):
     assert got.shape == (7,)
     assert torch.allclose(got, whole[scored], atol=1e-6)
     assert whole[scored].std() > 1e-3  # distinct values: the order is checked too
+
+
+def test_a_choice_read_back_from_its_report_is_the_same_choice():
+    """convert keeps --windows' choice as its report (measurement.memo); read back it is the choice, field by field,
+    with a retrieval walk and a recall ranking, and with the local ranking."""
+    from nbl_gguf.calibration.windows import GlobalRecall, RetrievalGuard, WindowChoice
+
+    walk = RetrievalGuard(6, (3000, 2000), 0.15, 0.41, kept=[5, 2, 7], losses=[0.45, 0.5, 0.52],
+                          refused={9: 0.9, 1: 0.7})
+    recall = GlobalRecall((2, 5, 7), 0.52, {2: 0.3, 5: 0.1, 7: 0.5})
+    by_loss = WindowChoice((1, 2, 5, 7), Window(512, 4), 4096, 3, 2.25, 2.31, {1: 0.5, 2: 0.01, 5: -0.02, 7: 0.03, 9: 0.2},
+                           walk, recall)
+    local = WindowChoice((0, 3), Window(128, 0), 1024, 2, 1.5, 1.6, local_errors={0: 0.25, 3: 0.125, 4: 2.0})
+    for choice in (by_loss, local):
+        again = WindowChoice.from_report(json.loads(json.dumps(choice.report())))
+        assert again == choice and again.report() == choice.report() and again.order == choice.order

@@ -95,6 +95,18 @@ class WindowChoice:
             ({"retrieval": self.retrieval.report()} if self.retrieval is not None else {}) | \
             ({"global_recall": self.global_recall.report()} if self.global_recall is not None else {})
 
+    @classmethod
+    def from_report(cls, report: dict) -> WindowChoice:
+        """The WindowChoice that gave ``report`` (a choice kept on disk: measurement.memo)."""
+        def by_layer(values: dict) -> dict[int, float]:
+            return {int(k): v for k, v in values.items()}
+
+        return cls(tuple(report["layers"]), Window(report["size"], report["sinks"]), report["ctx"], report["texts"],
+                   report["base_loss"], report["loss"], by_layer(report.get("increases", {})),
+                   RetrievalGuard.from_report(report["retrieval"]) if "retrieval" in report else None,
+                   GlobalRecall.from_report(report.get("global_recall")),
+                   by_layer(report.get("local_errors", {})))
+
 
 @dataclass
 class RetrievalGuard:
@@ -119,6 +131,11 @@ class RetrievalGuard:
         return {"probes": self.probes, "distances": list(self.distances), "tolerance": self.tolerance,
                 "base_loss": self.base_loss, "loss": self.loss, "kept": self.kept, "losses": self.losses,
                 "refused": {str(k): v for k, v in self.refused.items()}}
+
+    @classmethod
+    def from_report(cls, report: dict) -> RetrievalGuard:
+        return cls(report["probes"], tuple(report["distances"]), report["tolerance"], report["base_loss"],
+                   list(report["kept"]), list(report["losses"]), {int(k): v for k, v in report["refused"].items()})
 
 
 def recall_window(ids: torch.Tensor, seed: int = 0) -> torch.Tensor:

@@ -468,7 +468,7 @@ def convert(args) -> Summary:
         if args.windows:
             # 1c. the window layers, among the attention layers left, on top of the replaced ones
             with stage("window layers"):
-                windows = window_layers(args, source, layers, window_ctx)
+                windows = kept_window_layers(args, source, layers, window_ctx)
             layers.windows = nbl_format.Windows(layers=windows.layers, size=args.window_size, sinks=args.window_sinks)
 
         imatrix = None
@@ -720,6 +720,28 @@ def window_layers(args, source, layers, ctx: int, count: int | None = None, size
         choice.global_recall = global_recall(stream, probes, choice.order[:recall_of], window, replaced=replaced,
                                              maps=maps)
     return choice
+
+
+def kept_window_layers(args, source, layers, ctx: int):
+    """window_layers for --windows, kept on disk under everything it depends on (window_choice_key) as the budget's
+    window order is: the same convert run again (another --quant, an interruption, a frontier's other work dir)
+    takes the choice instead of measuring it again (12-15 min for SmolLM2 on 2 cores, most of a window file)."""
+    from nbl_gguf.calibration.windows import WindowChoice
+    from nbl_gguf.measurement.memo import Memo, memo_root
+
+    report, was_kept = Memo(memo_root()).cached(window_choice_key(args, source, layers, ctx),
+                                                lambda: window_layers(args, source, layers, ctx).report())
+    choice = WindowChoice.from_report(report)
+    if was_kept:
+        print(f"window layers: {list(choice.layers)} (kept from an earlier run)", flush=True)
+    return choice
+
+
+def window_choice_key(args, source, layers, ctx: int) -> dict:
+    """What --windows' choice depends on: the budget window order's settings, the count, and the replaced layers
+    it is measured on top of (their types and maps)."""
+    return window_order_key(args, source, ctx, args.window_size, None) | {
+        "what": "window choice", "count": args.windows, "replaced": layers.maps_digest()}
 
 
 def window_report(choice, layers) -> dict | None:

@@ -118,6 +118,30 @@ class NblLayers:
     taps: Mapping = field(default_factory=dict)
     windows: Windows | None = None  # attention layers that keep only a window of tokens
 
+    def maps_digest(self) -> str:
+        """sha256 of the layer types and every replaced layer's map (its arrays' bytes, shapes and types; a taps map's
+        fields in order): what a measurement on top of these replaced layers depends on (measurement.memo)."""
+        import hashlib
+
+        digest = hashlib.sha256(json.dumps([int(t) for t in self.types]).encode())
+
+        def add(name: str, value) -> None:
+            digest.update(name.encode())
+            if value is None or isinstance(value, (int, float, str)):
+                digest.update(repr(value).encode())
+            else:
+                array = np.ascontiguousarray(np.asarray(value))
+                digest.update(f"{array.dtype}{array.shape}".encode() + array.tobytes())
+
+        for layer in sorted(self.linear):
+            weight, bias = self.linear[layer]
+            add(f"linear {layer} weight", weight)
+            add(f"linear {layer} bias", bias)
+        for layer in sorted(self.taps):
+            for name, value in sorted(vars(self.taps[layer]).items()):
+                add(f"taps {layer} {name}", value)
+        return digest.hexdigest()
+
     @property
     def n_taps(self) -> int | None:
         """Tokens every taps layer reads, None without taps layers."""
