@@ -116,12 +116,9 @@ class Row:
 # --- measuring -------------------------------------------------------------------------------------
 
 def measure_perplexity(variants: list[Variant], texts: dict[str, Path], settings: FrontierSettings, log,
-                       runs=None) -> tuple[dict, list[str]]:
+                       runs) -> tuple[dict, list[str]]:
     """({label: {ctx: {kind: Perplexity}}} by llama-perplexity with each variant's cache type, the labels of those
     whose perplexities were all kept from an earlier run). ``runs``: a measurement.kept_runs.KeptRuns."""
-    from nbl_gguf.measurement.kept_runs import KeptRuns
-
-    runs = runs or KeptRuns(threads=settings.threads)
     out, kept = {}, []
     for index, variant in enumerate(variants, 1):
         started = time.monotonic()
@@ -138,13 +135,11 @@ def measure_perplexity(variants: list[Variant], texts: dict[str, Path], settings
     return out, kept
 
 
-def measure_passkey(variants: list[Variant], settings: FrontierSettings, log, runs=None) -> tuple[dict, list[str]]:
+def measure_passkey(variants: list[Variant], settings: FrontierSettings, log, runs) -> tuple[dict, list[str]]:
     """({label: PasskeyResult}: each variant's greedy answers to the passkey prompts, with its cache type; the
-    labels of those kept from an earlier run)."""
-    from nbl_gguf.measurement.kept_runs import KeptRuns
+    labels of those kept from an earlier run). ``runs``: a measurement.kept_runs.KeptRuns."""
     from nbl_gguf.measurement.passkey import DEPTHS, found_of_asked
 
-    runs = runs or KeptRuns(threads=settings.threads)
     out, kept = {}, []
     for index, variant in enumerate(variants, 1):
         run = runs.passkey(variant.path, settings.passkey, DEPTHS, variant.kv_type)

@@ -1,10 +1,10 @@
 """llama-perplexity and the passkey test, kept in a measurement.memo.Memo under what they measured, so that a long
 command run again after an interruption takes them instead of measuring them again.
 
-Both are pure functions of their key: the file's content, the text's (perplexity) or the prompts' settings and
-the source that writes them (passkey), the context, the cache type, the threads and the llama.cpp build. Speeds are not kept: they are
-measured side by side in one run, and a number from another run (another load on the machine) would not compare.
-Used by `convert --kv-budget/--total-budget` (measurement.kv_budget) and `bench --frontier`
+Both are pure functions of their key: the file's content, the text's (perplexity) or the prompts' settings and the
+source that writes them (passkey), the context, the cache type, the threads and the llama.cpp build. Speeds are not
+kept: they are measured side by side in one run, and a number from another run (another load on the machine) would
+not compare. Used by `convert --kv-budget/--total-budget` (measurement.kv_budget) and `bench --frontier`
 (measurement.frontier).
 """
 
