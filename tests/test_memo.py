@@ -131,8 +131,9 @@ def test_a_budgets_measuring_run_again_after_an_interruption_measures_only_the_r
     assert {c[1] for c in calls} == {"c0.gguf"}
 
 
-def test_an_entry_of_an_earlier_form_is_measured_again_and_replaced(tmp_path, monkeypatch):
-    """Entries of the first memo version held a perplexity as a bare number; one is measured again, not misread."""
+def test_an_entry_of_an_earlier_form_is_measured_again(tmp_path, monkeypatch):
+    """Entries of the first memo version held a perplexity as a bare number under the same fields; one is not
+    taken (it would be misread): measured again."""
     from nbl_gguf.llamacpp import perplexity as llama_perplexity
     from nbl_gguf.measurement.kept_runs import KeptRuns
 
@@ -144,8 +145,10 @@ def test_an_entry_of_an_earlier_form_is_measured_again_and_replaced(tmp_path, mo
                         lambda path, text, **k: calls.append(k) or llama_perplexity.Perplexity(7.5, 0.2, 2, 512))
     monkeypatch.setattr("nbl_gguf.measurement.kept_runs.llama_build_key", lambda: [["llama-perplexity", 1, 2]])
     runs = KeptRuns(Memo(tmp_path / "memo"), threads=2)
-    key = runs._perplexity_key(model, text, 512, 2, "q8_0")
-    runs.memo.put(key, {"value": 9.25, "s": 3.0})
+    # the key kv_budget.measure wrote it under then (these fields, no form), with a bare number
+    old = {"what": "llama-perplexity", "file": file_key(model), "kv_type": "q8_0", "n_ctx": 512, "threads": 2,
+           "build": [["llama-perplexity", 1, 2]], "text": file_key(text), "chunks": 2}
+    runs.memo.put(old, {"value": 9.25, "s": 3.0})
     assert not runs.has_perplexity(model, text, 512, 2, "q8_0")
     first = runs.perplexity(model, text, 512, 2, "q8_0")
     assert not first.kept and first.value.ppl == 7.5 and calls == [{"n_ctx": 512, "chunks": 2, "threads": 2,

@@ -48,8 +48,9 @@ class KeptRuns:
                 "build": self._build} | settings
 
     def _perplexity_key(self, path, text, n_ctx: int, chunks: int | None, kv_type: str) -> dict | None:
+        # "form": the first memo version kept a bare number under the same fields; its entries are not this form
         return self._key("llama-perplexity", path, kv_type, n_ctx=n_ctx, chunks=chunks,
-                         text=file_key(text) if self.keeps else None)
+                         text=file_key(text) if self.keeps else None, form="Perplexity fields")
 
     def _passkey_key(self, path, lengths, depths, kv_type: str) -> dict | None:
         from nbl_gguf.measurement import passkey as passkey_module
@@ -58,25 +59,21 @@ class KeptRuns:
         return self._key("passkey", path, kv_type, lengths=list(lengths), depths=list(depths),
                          prompts=file_key(passkey_module.__file__) if self.keeps else None)
 
-    def _kept(self, key: dict | None, decode) -> Run | None:
-        entry = None if key is None else self.memo.get(key)
-        if entry is None:
-            return None
-        try:
-            return Run(decode(entry["value"]), float(entry["s"]), True)
-        except (KeyError, TypeError, ValueError):
-            return None  # an entry in an earlier version's form: measured again, and replaced
-
     def _run(self, key: dict | None, compute: Callable[[], object], encode, decode) -> Run:
-        kept = self._kept(key, decode)
-        if kept is not None:
-            return kept
-        started = self.clock()
-        value = compute()
-        seconds = self.clock() - started
-        if key is not None:
-            self.memo.put(key, {"value": encode(value), "s": seconds})
-        return Run(value, seconds, False)
+        def measured() -> tuple[object, float]:
+            started = self.clock()
+            value = compute()
+            return value, self.clock() - started
+
+        if key is None:
+            return Run(*measured(), False)
+
+        def entry() -> dict:
+            value, seconds = measured()
+            return {"value": encode(value), "s": seconds}
+
+        kept, was_kept = self.memo.cached(key, entry)
+        return Run(decode(kept["value"]), float(kept["s"]), was_kept)
 
     def perplexity(self, path: Path, text: Path, n_ctx: int, chunks: int | None, kv_type: str = "f16") -> Run:
         """llamacpp.perplexity.perplexity of ``path`` on ``text`` with that cache type."""
@@ -89,7 +86,8 @@ class KeptRuns:
 
     def has_perplexity(self, path: Path, text: Path, n_ctx: int, chunks: int | None, kv_type: str = "f16") -> bool:
         """Whether an earlier run kept that perplexity (a run of perplexity() would take it)."""
-        return self._kept(self._perplexity_key(path, text, n_ctx, chunks, kv_type), _perplexity_of) is not None
+        key = self._perplexity_key(path, text, n_ctx, chunks, kv_type)
+        return key is not None and self.memo.get(key) is not None
 
     def passkey(self, path: Path, lengths, depths, kv_type: str = "f16") -> Run:
         """measurement.passkey.passkey of ``path`` at those prompt lengths and depths with that cache type."""
