@@ -224,13 +224,16 @@ def test_convert_options_and_their_command_line_agree():
 
     given = dict(model="dir with space", m=8, quant="q4_k_m", taps=4, no_eval=True, output="out/nbl.gguf", seed=3,
                  threads=2, nsamples=16, save_calibration="cal", windows=2, window_size=[128, 512])
-    options = convert.options(**given)
-    assert {name: getattr(options, name) for name in given} == given
-    words = shlex.split(convert.command_line(options))
-    assert words[:4] == ["python", "-m", "nbl_gguf", "convert"]
     parser = argparse.ArgumentParser()
     convert.add_arguments(parser)
-    assert vars(parser.parse_args(words[4:])) == vars(options)
+    # the --flag / --no-flag options both ways (their default: None, which the command resolves)
+    for switches in (dict(refine=False, refine_balance=True), dict(refine=True, refine_balance=False)):
+        options = convert.options(**given, **switches)
+        assert {name: getattr(options, name) for name in given | switches} == given | switches
+        words = shlex.split(convert.command_line(options))
+        assert words[:4] == ["python", "-m", "nbl_gguf", "convert"]
+        assert ("--refine" in words, "--no-refine" in words) == (switches["refine"], not switches["refine"])
+        assert vars(parser.parse_args(words[4:])) == vars(options)
     assert vars(convert.options()) == vars(parser.parse_args([]))
     with pytest.raises(TypeError, match="no option bogus"):
         convert.options(bogus=1)

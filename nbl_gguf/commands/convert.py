@@ -1107,6 +1107,8 @@ def command_line(args: argparse.Namespace) -> str:
         flag = max(action.option_strings, key=len)
         if isinstance(action, argparse._StoreTrueAction):
             words.append(flag)
+        elif isinstance(action, argparse.BooleanOptionalAction):  # --flag / --no-flag
+            words.append(action.option_strings[0] if value else action.option_strings[1])
         elif isinstance(value, (list, tuple)):  # one word per value, or one 'a,b' word for a single argument
             words += [flag, *map(str, value)] if action.nargs else [flag, ",".join(map(str, value))]
         else:

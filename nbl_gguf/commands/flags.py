@@ -372,7 +372,7 @@ def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
     from nbl_gguf.calibration import refine
 
     group = parser.add_argument_group("refinement")
-    group.add_argument("--refine", action="store_true",
+    group.add_argument("--refine", action=argparse.BooleanOptionalAction, default=None,
                        help="after the layers are chosen and fitted, tune their maps against the model's output "
                             "(model: KL of the next-token distributions, the whole model in memory; streamed: each "
                             "block's output, one layer in memory); the LMMSE maps stay in the artifact "
