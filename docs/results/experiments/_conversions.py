@@ -1,6 +1,6 @@
 """What the scripts that compare convert's files on the bundled evaluation text share: convert from an
-argument list, a fresh copy of a calibration artifact, the long-context perplexity of each kind, and a
-JSON line written with its row's files removed after."""
+argument list, the stock file they are compared with, a fresh copy of a calibration artifact, the long-context
+perplexity of each kind, and a JSON line written with its row's files removed after."""
 
 from __future__ import annotations
 
@@ -25,6 +25,21 @@ def convert(argv: list[str]):
     command = argparse.ArgumentParser()
     convert_command.add_arguments(command)
     return convert_command.convert(command.parse_args(argv))
+
+
+def stock_file(model: str, quant: str, directory: Path, threads: int | None) -> Path:
+    """The stock file convert's files of ``model`` at ``quant`` are cut from: a GGUF model itself (its own types:
+    quant "default"), a HF folder converted and quantized (convert's --m 0 writes none: it asks what to replace)."""
+    from nbl_gguf.commands.convert import DEFAULT_QUANT
+    from nbl_gguf.commands.model_files import resolve_model_dir, stock_ladder
+    from nbl_gguf.model_source import is_gguf_file
+
+    if is_gguf_file(model):
+        if quant != "default":
+            raise SystemExit(f"{model} is a GGUF file: its stock file keeps its own types (--quants default)")
+        return Path(model)
+    quant = (DEFAULT_QUANT if quant in ("default", None) else quant).upper()
+    return stock_ladder(resolve_model_dir(model), [quant], Path(directory), threads, print)[quant]
 
 
 def fresh_copy(calibration: Path, copy: Path) -> Path:

@@ -28,7 +28,7 @@ from nbl_gguf.calibration.artifact import load_artifact  # noqa: E402
 
 def run_convert(out: Path, dtype: str, extra: list[str]) -> dict:
     calibration = out / f"calibration-{dtype}"
-    command = ["/usr/bin/time", "-v", sys.executable, "-m", "nbl_gguf", "convert", *extra, "--dtype", dtype,
+    command = ["/usr/bin/time", "-v", sys.executable, "-m", "nbl_gguf", "convert", "--no-refine", *extra, "--dtype", dtype,
                "--save-calibration", str(calibration), "--no-progress", "-o", str(out / f"nbl-{dtype}.gguf")]
     print("$ " + " ".join(command[2:]), flush=True)
     done = subprocess.run(command, capture_output=True, text=True)

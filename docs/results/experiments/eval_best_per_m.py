@@ -41,13 +41,15 @@ def main(argv=None) -> int:
 
     from nbl_gguf.calibration.artifact import load_artifact
     from nbl_gguf.calibration.dataset import KINDS, write_evaluation_text
-    from _conversions import convert, fresh_copy, long_perplexities, write_row
+    from _conversions import convert, fresh_copy, long_perplexities, stock_file, write_row
 
     def long_ppl(path: Path, texts: dict) -> dict:
         return long_perplexities(path, texts, args.long_ctx, args.long_chunks, args.threads)
 
     ms = sorted(int(x) for x in args.ms.split(","))
-    common = ["--model", args.model, "--taps", str(args.taps), "--eval-chunks", str(args.eval_chunks), "--no-progress"] \
+    # the LMMSE maps, whatever convert's default for --refine
+    common = ["--model", args.model, "--taps", str(args.taps), "--eval-chunks", str(args.eval_chunks), "--no-progress",
+              "--no-refine"] \
         + (["--quant", args.quant] if args.quant else []) + (["--threads", str(args.threads)] if args.threads else [])
     with tempfile.TemporaryDirectory() as tmp, open(args.out, "a", encoding="utf-8") as out:
         tmp = Path(tmp)
@@ -62,8 +64,7 @@ def main(argv=None) -> int:
         if selection.get("criterion") != "best":
             raise SystemExit(f"{calibration}: calibrated by {selection.get('criterion')}, not best")
         texts = {kind: write_evaluation_text(kind, tmp / f"eval-{kind}.txt") for kind in KINDS}
-        stock = tmp / "stock.gguf"
-        convert(common + ["--calibration", str(calibration), "--m", "0", "--no-eval", "-o", str(stock)])
+        stock = stock_file(args.model, args.quant or "default", tmp, args.threads)
         stock_long = long_ppl(stock, texts)
         for m in ms:
             copy = fresh_copy(calibration, tmp / f"calibration-{m}")  # no best measured at this m yet

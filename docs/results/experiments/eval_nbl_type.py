@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                     emulated_artifact(Path(args.calibration), nbl_type, calibration)
             argv = ["--model", args.model, "--calibration", str(calibration), "--m", str(m), "--criterion",
                     args.criterion, "--eval-chunks", str(args.eval_chunks), "--no-progress", "-o", str(output),
-                    "--taps", str(taps)]
+                    "--taps", str(taps), "--no-refine"]  # the LMMSE maps, whatever convert's default
             if option == "emulated_type":
                 argv += ["--nbl-type", "f32"]
             elif nbl_type != "default":

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
     from nbl_gguf.calibration.artifact import REPORT
     from nbl_gguf.calibration.dataset import KINDS, write_evaluation_text
-    from _conversions import convert, fresh_copy, long_perplexities, write_row
+    from _conversions import convert, fresh_copy, long_perplexities, stock_file, write_row
 
     def long_ppl(path: Path, texts: dict) -> dict:
         return long_perplexities(path, texts, args.long_ctx, args.long_chunks, args.threads)
@@ -57,15 +57,14 @@ def main(argv=None) -> int:
                       "--no-progress"] + (["--quant", quant] if quant != "default" else []) \
                 + (["--threads", str(args.threads)] if args.threads else [])
             # the stock file of this type: no layer replaced
-            stock = tmp / f"stock-{quant}.gguf"
-            convert(common + ["--calibration", args.calibration, "--m", "0", "--no-eval", "-o", str(stock)])
+            stock = stock_file(args.model, quant, tmp, args.threads)
             stock_long = long_ppl(stock, texts)
             for m in [int(x) for x in args.ms.split(",")]:
                 for taps in [int(x) for x in args.taps.split(",")]:
                     copy = fresh_copy(Path(args.calibration), tmp / f"calibration-{m}-{taps}")
                     row_args = common + ["--calibration", str(copy), "--m", str(m), "--taps", str(taps)]
                     files, summaries, seconds = {}, {}, {}
-                    made = {"lmmse": [], "refined": ["--refine", *extra]}
+                    made = {"lmmse": ["--no-refine"], "refined": ["--refine", *extra]}
                     for variant, flags in ((v, made[v]) for v in args.variants.split(",")):
                         files[variant] = tmp / f"{variant}-{m}-{taps}-{quant}.gguf"
                         start = time.perf_counter()
