@@ -38,7 +38,7 @@ def stock_file(model: str, quant: str, directory: Path, threads: int | None) -> 
         if quant != "default":
             raise SystemExit(f"{model} is a GGUF file: its stock file keeps its own types (--quants default)")
         return Path(model)
-    quant = (DEFAULT_QUANT if quant in ("default", None) else quant).upper()
+    quant = (DEFAULT_QUANT if quant == "default" else quant).upper()
     return stock_ladder(resolve_model_dir(model), [quant], Path(directory), threads, print)[quant]
 
 
