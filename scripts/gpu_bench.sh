@@ -14,7 +14,8 @@
 #   models     the Llama-3.1-8B-shaped random-weight F16 safetensors folder and its Q4_K_M GGUF
 #              (scripts/make_scale_models.py, as in scale-cpu.md)
 #   calibrate  `convert` of that GGUF on CUDA, as scale-cpu.md's CPU run (--m 12, 16 x 2048, best,
-#              held-out perplexity step): summary, stage times, peak RSS and peak GPU memory
+#              held-out perplexity step): summary, stage times, peak RSS and peak GPU memory; since
+#              2026-12-07 it refines the maps (convert's default: the first run of --refine on CUDA)
 #   bench8b    llama-bench on CUDA, stock Q4_K_M against the NBL file `calibrate` made: pp512 and tg128
 #              at depths 0, 4096 and 16384, 2 interleaved rounds
 #   taps       llama-bench on CUDA, Llama-3.2-1B shape (random weights): stock against per-token NBL-6 against

@@ -10,11 +10,13 @@ def convert_args(**overrides) -> argparse.Namespace:
     """`convert`'s defaults as its parser gives them, no progress bars, a tiny CPU calibration (8 windows
     of 64 tokens), the cca selection (the tests compare against artifact.layer_types(m, "cca")), per-token
     maps (--taps 1: the layer type these tests check; tests/test_taps_convert.py has the taps layers and
-    the default) and no held-out perplexity unless overridden."""
+    the default), the LMMSE maps (--no-refine: the maps these tests compare with the artifact's;
+    tests/test_refine.py has the refined ones and convert's default) and no held-out perplexity unless
+    overridden."""
     from nbl_gguf.commands import convert
 
     return convert.options(**(dict(no_progress=True, nsamples=8, seqlen=64, device="cpu", criterion="cca",
-                                   no_eval=True, taps=1) | overrides))
+                                   no_eval=True, taps=1, refine=False) | overrides))
 
 
 def calibrate_for_convert(directory: Path, model, args: argparse.Namespace) -> Path:

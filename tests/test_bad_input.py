@@ -37,7 +37,7 @@ N_LAYER = 4
 RUN_TIMEOUT = 180
 # the tiny model's convert settings: seconds of calibration, an F32 output (no llama-quantize), no eval
 TINY_CONVERT = ("--nsamples", "8", "--seqlen", "64", "--device", "cpu", "--criterion", "cca", "--quant", "f32",
-                "--no-eval")
+                "--no-eval", "--no-refine")
 
 
 @dataclass(frozen=True)

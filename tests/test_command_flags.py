@@ -124,7 +124,7 @@ def test_calibrate_flags_are_the_calibration_settings():
     from nbl_gguf.commands import flags
 
     parser = parsers()["calibrate"]
-    refine = set(flags.group_names(flags.add_refine_arguments))
+    refine = set(flags.group_names(lambda parser: flags.add_refine_arguments(parser, "off")))
     assert {a.dest for a in parser._actions if a.dest != "help"} - refine == set(Settings.names())
     assert asdict(calibrate.settings(parser.parse_args([]))) == asdict(Settings())
     # the refinement's flags are RefineSettings' fields after 'refine_' (and --seed, --memory-budget, --no-progress)

@@ -271,6 +271,11 @@ def test_convert_records_the_default_criterion_and_the_auto_choice(tiny_hf, tmp_
     versions = provenance["versions"]
     assert f"torch {versions['torch']}" in text and f"llama.cpp {versions['llama.cpp'][:7]} + patches" in text
     assert f"{provenance['tokens']:,} tokens: 8 windows of 64 from {provenance['documents']} documents" in text
+    # convert refines by default: the file's record says what moved, as the calibration's summary does
+    from nbl_gguf.calibration.report import describe_refine
+
+    assert provenance["refine"]["layers"] == artifact.select()
+    assert "refine     " + describe_refine(provenance["refine"])[:60] in text
     assert "{" not in text  # no raw JSON left
     # --json: the whole record, the calibration key as the file holds it
     assert cli.main(["inspect", "--json", str(out)]) == 0

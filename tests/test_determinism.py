@@ -1,7 +1,8 @@
 """The same model, data and settings give a byte-identical GGUF, from scratch (calibration included),
 in two separate processes that differ in everything that must not matter: the folders (of the model,
 the data, the output, the working directory), the hash seed (set and dict order) and the PyTorch and
-OpenMP thread counts. And the file says where it came from: tool versions and the data's hash."""
+OpenMP thread counts; convert's default refinement of the maps included. And the file says where it came
+from: tool versions and the data's hash."""
 
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ def test_convert_from_scratch_twice_is_byte_identical_and_records_provenance(tmp
     assert [i for i, t in enumerate(nbl_format.read_layer_types(reader)) if t] and \
         {t.tensor_type.name for t in reader.tensors if t.name.endswith("attn_nbl.weight")} == {"Q8_0"}
     calibration = json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))
+    # the maps refined (convert's default), on held-out windows of the file's text, recorded by its name
+    assert calibration["refine"]["layers"] == [i for i, t in enumerate(nbl_format.read_layer_types(reader)) if t]
+    assert calibration["refine"]["windows"]["heldout"]["calibration_text"] == data.name
 
     # the data: the sha256 of the documents as calibration consumed them, in order (each one, then a NUL
     # byte); how many it reads depends on how many held-out windows the selection text takes from it

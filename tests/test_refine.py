@@ -535,12 +535,13 @@ def test_convert_refine_writes_the_refined_maps_and_says_so(tmp_path, monkeypatc
     record = json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))
     assert record["refine"]["layers"] == layers
     # per-token layers from the same past-token calibration: the per-token maps are refined (a refinement of
-    # the past-token maps would leave the file's maps at LMMSE while the record said refined)
+    # the past-token maps would leave the file's maps at LMMSE while the record said refined); without --refine,
+    # as convert refines by default
     per_token = tmp_path / "per-token.gguf"
-    assert main(["convert", "--model", str(model), "--calibration", str(kept), "--criterion", "cosine", "--m", "2",
-                 "--taps", "1", "--quant", "f32", "--no-eval", "--no-progress", "--refine", "--refine-tokens", "128",
-                 "--refine-seqlen", "16", "--refine-eval-every", "2", "--refine-lr", "0.1", *one_kind,
-                 "-o", str(per_token)]) == 0
+    per_token_options = ["--model", str(model), "--calibration", str(kept), "--criterion", "cosine", "--m", "2",
+                         "--taps", "1", "--quant", "f32", "--no-eval", "--no-progress", "--refine-tokens", "128",
+                         "--refine-seqlen", "16", "--refine-eval-every", "2", "--refine-lr", "0.1", *one_kind]
+    assert main(["convert", *per_token_options, "-o", str(per_token)]) == 0
     artifact = load_artifact(kept)
     layers = artifact.report["refine"]["layers"]
     assert artifact.report["refine"]["taps"] == 1 and artifact.refined_for(layers, 1)
@@ -558,9 +559,60 @@ def test_convert_refine_writes_the_refined_maps_and_says_so(tmp_path, monkeypatc
         moved = max(moved, float(np.abs(weight - lmmse_weight).max()))
     assert moved > 1e-4
     assert json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))["refine"]["taps"] == 1
+    # --no-refine: the LMMSE maps, though the artifact holds refined ones for these layers
+    assert main(["convert", *per_token_options, "--no-refine", "-o", str(tmp_path / "lmmse.gguf")]) == 0
+    reader = gguf.GGUFReader(tmp_path / "lmmse.gguf")
+    tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
+    for layer in layers:
+        weight, bias = artifact.linear(layer)
+        np.testing.assert_allclose(tensors[nbl_format.NBL_WEIGHT.format(layer=layer)].reshape(weight.shape), weight,
+                                   rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(tensors[nbl_format.NBL_BIAS.format(layer=layer)], bias, rtol=1e-6, atol=1e-7)
+    assert "refine" not in json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))
     # past-token maps of another length than the calibration's: nothing to refine, said by name
     with pytest.raises(NblError, match="--taps 3: the calibration in .* has maps of 2 tokens; calibrate with --taps 3"):
         refine_module.artifact_maps(artifact, layers, 3)
+
+
+def test_a_default_refinement_that_cannot_run_says_why_and_writes_the_lmmse_maps(tmp_path, monkeypatch, capsys):
+    """convert without --refine refines by default; where the refinement cannot run (here: the calibration text
+    is too short to hold out the windows its early stopping reads, which a fixed --m with cosine never needs)
+    the convert says why and writes the LMMSE maps, where --refine stops with that error and writes nothing."""
+    import json
+
+    import gguf
+
+    from nbl_gguf.cli import main
+    from nbl_gguf.calibration.artifact import load_artifact
+    from nbl_gguf.gguf import nbl_format
+    from nbl_gguf.gguf.from_artifact import taps_maps as file_taps_maps
+
+    from _convert_helpers import save_tiny_llama
+
+    monkeypatch.setenv("NBL_GGUF_CACHE", str(tmp_path / "cache"))
+    model = save_tiny_llama(tmp_path / "model")
+    common = ["--model", str(model), "--nsamples", "8", "--seqlen", "64", "--criterion", "cosine", "--dtype", "fp32",
+              "--m", "2", "--taps", "2", "--quant", "f32", "--no-eval", "--no-progress", "--refine-tokens", "128",
+              "--refine-seqlen", "16", "--selection-text", "calibration", "--selection-windows", "100000"]
+    out, kept = tmp_path / "lmmse.gguf", tmp_path / "calibration"
+    assert main(["convert", *common, "--save-calibration", str(kept), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "note: the maps are not refined (" in err and "too few to hold out" in err
+    artifact = load_artifact(kept)
+    assert "refine" not in artifact.report
+    reader = gguf.GGUFReader(out)
+    layers = [i for i, t in enumerate(nbl_format.read_layer_types(reader)) if t != nbl_format.ATTENTION]
+    assert len(layers) == 2
+    tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
+    written = file_taps_maps(artifact, layers, 2, False)
+    for layer in layers:
+        lmmse = written[layer]
+        np.testing.assert_allclose(tensors[nbl_format.NBL_WEIGHT.format(layer=layer)].reshape(lmmse.weight.shape),
+                                   lmmse.weight, rtol=1e-6, atol=1e-7)
+    assert "refine" not in json.loads(str(reader.fields[nbl_format.CALIBRATION_KEY].contents()))
+    never = tmp_path / "never.gguf"
+    assert main(["convert", *common, "--calibration", str(kept), "--refine", "-o", str(never)]) == 2
+    assert "too few to hold out" in capsys.readouterr().err and not never.exists()
 
 
 def test_refine_text_mix_trains_on_each_kind_alike_and_never_on_the_heldout_windows():

@@ -377,11 +377,24 @@ def load_calibration(tokenizer, dataset: str | None, nsamples: int, seqlen: int,
                          name=name)
 
 
-def load_windows(settings: Settings, stream, needs_heldout: bool, nsamples: int):
+def check_fit_tokens(calib, hidden_size: int, taps: int) -> None:
+    """The windows ``calib`` hold more tokens than a map fitted on them has inputs (else its covariance is singular)."""
+    if calib.tokens <= hidden_size:
+        raise NblError(f"only {calib.tokens} calibration tokens for hidden size {hidden_size}; need more than "
+                       f"{hidden_size} (raise --nsamples/--seqlen or use more text)")
+    stacked = taps * hidden_size  # a taps map's inputs: the token's and its taps - 1 predecessors'
+    if taps > 1 and calib.tokens <= stacked:
+        raise NblError(f"only {calib.tokens} calibration tokens for --taps {taps}, which stacks {taps} x "
+                       f"{hidden_size} = {stacked} inputs a layer; need more than {stacked} (raise "
+                       f"--nsamples/--seqlen, or use --taps 1)")
+
+
+def load_windows(settings: Settings, stream, needs_heldout: bool, nsamples: int, fitting: bool = True):
     """(calibration windows, held-out windows or None, what the held-out windows are made of or None)
     for calibration.settings.Settings ``settings``, cut with the tokenizer of ``stream`` (a LayerStream).
     The held-out windows follow --selection-text: the calibration text's windows after the fit
-    windows, then those of each bundled kind's selection part."""
+    windows, then those of each bundled kind's selection part. ``fitting``: the windows will fit maps, so
+    there must be more tokens than a map has inputs."""
     import torch
 
     from nbl_gguf import models
@@ -411,14 +424,8 @@ def load_windows(settings: Settings, stream, needs_heldout: bool, nsamples: int)
     if calib.nsamples < nsamples:
         print(f"note: {settings.dataset or DEFAULT_DATASET} gives {calib.nsamples} windows of {calib.seqlen} tokens "
               f"for the fit, fewer than the {nsamples} requested; calibrating on {calib.tokens} tokens", file=sys.stderr)
-    if calib.tokens <= stream.hidden_size:
-        raise NblError(f"only {calib.tokens} calibration tokens for hidden size {stream.hidden_size}; need more than "
-                       f"{stream.hidden_size} (raise --nsamples/--seqlen or use more text)")
-    stacked = settings.taps * stream.hidden_size  # a taps map's inputs: the token's and its taps - 1 predecessors'
-    if settings.taps > 1 and calib.tokens <= stacked:
-        raise NblError(f"only {calib.tokens} calibration tokens for --taps {settings.taps}, which stacks {settings.taps} x "
-                       f"{stream.hidden_size} = {stacked} inputs a layer; need more than {stacked} (raise "
-                       f"--nsamples/--seqlen, or use --taps 1)")
+    if fitting:
+        check_fit_tokens(calib, stream.hidden_size, settings.taps)
     if not counts:
         return calib, None, None
     bundled, kinds = bundled_selection_windows(

@@ -41,8 +41,10 @@ FORMS = ("model", "streamed")
 AUTO_FORM = "auto"
 FORM_CHOICES = (AUTO_FORM,) + FORMS
 DEFAULT_FORM = AUTO_FORM
-# half the CPU calibration's tokens (32 x 2048), read DEFAULT_SEQLEN at a time (docs/results/refine.md)
-DEFAULT_TOKENS = 32768
+# an eighth of the CPU calibration's tokens (32 x 2048), read DEFAULT_SEQLEN at a time: on SmolLM2 and Qwen 0.5B
+# every kind of text gained, in under half the calibration's time; 32768 gained more in 1-3x it
+# (docs/results/refine.md, "At 8,192 tokens")
+DEFAULT_TOKENS = 8192
 DEFAULT_SEQLEN = 512
 # Adam's step, relative to each map tensor's RMS (an absolute step moves the maps of a model whose maps are
 # small, as Qwen2.5's are 30x SmolLM2's, by far more: docs/results/refine.md); the streamed form's
@@ -760,7 +762,8 @@ def refine(source, calibration, layers: list[int], layer_type: int, maps: dict, 
 
         shape = LayerStream(source, dtype, device)
     nsamples = calibration.nsamples or DEFAULT_NSAMPLES["cuda" if device.startswith("cuda") else "cpu"]
-    calib, heldout, composition = dataset.load_windows(calibration, shape, True, nsamples)
+    # fitting=False: the maps are fitted already, so the windows need not outnumber the map's inputs
+    calib, heldout, composition = dataset.load_windows(calibration, shape, True, nsamples, fitting=False)
     if artifact_data and artifact_data.get("windows_sha256") not in (None, tokens_digest(calib.input_ids)):
         log("refine: note: the calibration windows differ from those the artifact was fitted on "
             "(another --dataset, --nsamples or --seqlen): the maps are refined on these")

@@ -122,5 +122,6 @@ def describe_refine(refine: dict) -> str:
                                                                  else f", kept {refine['kept']}")
     settings = refine.get("settings", {})
     weighed = ", each kind of text's loss weighed alike" if settings.get("balance") and settings.get("text") == "mix" else ""
-    return (f"refined ({refine['form']} form{weighed}) the maps of layers {', '.join(map(str, refine['layers']))}: {steps}, "
-            f"{refine['seconds']:.0f} s; held-out perplexity vs unmodified, LMMSE -> refined: {'; '.join(parts)}")
+    seconds = f", {refine['seconds']:.0f} s" if "seconds" in refine else ""  # a GGUF's record keeps no time
+    return (f"refined ({refine['form']} form{weighed}) the maps of layers {', '.join(map(str, refine['layers']))}: {steps}"
+            f"{seconds}; held-out perplexity vs unmodified, LMMSE -> refined: {'; '.join(parts)}")

@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-covariances", action="store_true",
                         help="also store float64 covariances (3 d x d per layer and target; large)")
     flags.add_no_progress(parser)
-    flags.add_refine_arguments(parser)
+    flags.add_refine_arguments(parser, "off: the artifact keeps the training-free maps, and convert refines the "
+                                       "layers it writes")
 
 
 def settings(args: argparse.Namespace) -> Settings:

@@ -98,7 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "llama-perplexity (default: theirs)")
     flags.add_seed(parser, "the calibration and llama-imatrix")
     flags.add_no_progress(parser)
-    flags.add_refine_arguments(parser)
+    flags.add_refine_arguments(parser, "on where the file carries fitted attn-nbl maps (--runtime nbl, no budget): "
+                                       "at 8,192 tokens every kind of text gained, in under half the calibration's "
+                                       "time; where it cannot run, the convert says why and writes the LMMSE maps")
     parser.add_argument("--kv-budget", default=None, metavar="SIZE",
                         help="the KV cache budget at --ctx-size (e.g. 640MiB, 1.5GiB): convert chooses the KV type "
                              "(f16, q8_0, q4_0) and m, each type with the fewest layers that fit, by measured held-out "
@@ -377,12 +379,17 @@ def convert(args) -> Summary:
     if args.eval_chunks < 1:
         raise NblError(f"--eval-chunks must be at least 1, got {args.eval_chunks}")
     model = source.gguf.path if source.gguf is not None else source.hf_folder()  # what calibrate's --model takes
+    refining = args.refine if args.refine is not None else m != 0 and refines_by_default(args, method)
     refine_plan = None
-    if args.refine:
+    if refining:
         from nbl_gguf.calibration.refine import planned
 
         check_refine(args, method)
-        refine_plan = planned(source, calibration_settings(args, output.parent, model, taps), flags.refine_settings(args))
+        try:
+            refine_plan = planned(source, calibration_settings(args, output.parent, model, taps),
+                                  flags.refine_settings(args))
+        except NblError as error:
+            refining = not_refined(args, error)
 
     if stock_first:
         return convert_stock_first(asked, source, quant, output)
@@ -395,7 +402,7 @@ def convert(args) -> Summary:
     checking_recall = args.nbl_retrieval is not None and (calibrating or args.calibration) and m != 0
     if checking_recall:
         steps.insert(1, "retrieval check")  # right after the calibration
-    if args.refine:
+    if refining:
         steps.append("refine")
     if args.windows:
         steps.append("window layers")
@@ -444,15 +451,19 @@ def convert(args) -> Summary:
                 recall = recall_layers(args, source, artifact, method, taps, selected)
                 print(describe_recall(recall), file=sys.stderr)
             selected = list(recall.layers)
-        if args.refine:
+        if refining:
             # 1b. the chosen layers' maps tuned against the model's output, added to the artifact (unless it
             # holds them already)
             from nbl_gguf.calibration.refine import refine_artifact
 
             with stage("refine"):
                 if selected and not artifact.refined_for(selected, taps):
-                    artifact = refine_artifact(artifact, source, calibration_settings(args, artifact.path, model, taps),
-                                               selected, refine_plan, taps=taps)
+                    try:
+                        artifact = refine_artifact(artifact, source,
+                                                   calibration_settings(args, artifact.path, model, taps),
+                                                   selected, refine_plan, taps=taps)
+                    except NblError as error:
+                        not_refined(args, error)
         if artifact is not None:
             layers = nbl_layers(artifact, args, source, method, n_layer, taps, selected)
             if recall is not None:
@@ -566,6 +577,23 @@ def measure_best(artifact, args, source, method: str, n_layer: int, taps: int, m
                                           args.batch_size, log=lambda text: print(text, file=sys.stderr))
 
 
+def refines_by_default(args, method: str) -> bool:
+    """Whether a convert given neither --refine nor --no-refine refines its maps: where it writes fitted maps
+    that --refine may tune (docs/results/refine.md: at 8,192 tokens every kind of text gained on SmolLM2 and
+    Qwen 0.5B, in under half the calibration's time)."""
+    return method == "attn-nbl" and args.runtime == "nbl" and budget_flag(args) is None
+
+
+def not_refined(args, error: NblError) -> bool:
+    """A refinement that cannot run: an error where --refine asked for it, else a note (the file carries the
+    LMMSE maps, which the training-free path writes anyway). False: not refining."""
+    if args.refine:
+        raise error
+    print(f"note: the maps are not refined ({error}); the file carries their LMMSE fit (--no-refine says so "
+          f"without trying)", file=sys.stderr)
+    return False
+
+
 def check_refine(args, method: str) -> None:
     """--refine, checked before anything runs."""
     from nbl_gguf.calibration.refine import check_refinable
@@ -583,12 +611,13 @@ def check_refine(args, method: str) -> None:
 
 def nbl_layers(artifact, args, source, method: str, n_layer: int, taps: int, selected: list[int]):
     """The nbl_format.NblLayers of the file: ``selected`` replaced by the artifact's maps of ``method``
-    (its refined maps where it holds them for these layers)."""
+    (its refined maps where it holds them for these layers, unless --no-refine)."""
     from nbl_gguf.gguf import nbl_format
 
     scores, scores_criterion = recorded_scores(artifact, args.criterion, selected, method, taps)
     layer_type = nbl_format.DROPPED if method == "attn-drop" else nbl_format.TAPS if taps > 1 else nbl_format.LINEAR
-    refined = method == "attn-nbl" and uses_refined(artifact, selected, taps, args.runtime)
+    refined = (method == "attn-nbl" and args.refine is not False
+               and uses_refined(artifact, selected, taps, args.runtime))
     types = [layer_type if i in selected else nbl_format.ATTENTION for i in range(n_layer)]
     linear = {i: linear_map(artifact, i, args.runtime, refined) for i in selected if layer_type == nbl_format.LINEAR}
     past = taps_maps(artifact, selected, taps, refined) if layer_type == nbl_format.TAPS else {}

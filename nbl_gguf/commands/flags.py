@@ -367,8 +367,9 @@ def task_files(args) -> dict[str, tuple[str | None, int | None]]:
             "multiple-choice": (args.multiple_choice, args.multiple_choice_tasks)}
 
 
-def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
-    """--refine and its settings (calibration.refine.RefineSettings, under the same names after 'refine_')."""
+def add_refine_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    """--refine and its settings (calibration.refine.RefineSettings, under the same names after 'refine_');
+    ``default``: what the command does without --refine or --no-refine, for the help."""
     from nbl_gguf.calibration import refine
 
     group = parser.add_argument_group("refinement")
@@ -376,7 +377,7 @@ def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="after the layers are chosen and fitted, tune their maps against the model's output "
                             "(model: KL of the next-token distributions, the whole model in memory; streamed: each "
                             "block's output, one layer in memory); the LMMSE maps stay in the artifact "
-                            "(docs/results/refine.md) (default: off)")
+                            f"(docs/results/refine.md) (default: {default})")
     group.add_argument("--refine-form", default=refine.DEFAULT_FORM, choices=refine.FORM_CHOICES,
                        help=f"{refine.AUTO_FORM}: the model form where it fits the memory budget, else the streamed "
                             f"one (default: {refine.DEFAULT_FORM})")

@@ -252,14 +252,10 @@ def provenance(artifact, model_dir: Path, layers: list[int] | None = None, gguf=
     whose measured selection, if any, it records; ``gguf``: the GGUF file (model_source.GgufFile) the NBL file
     was made from, by name and sha256; ``refined``: the maps are the artifact's refined ones (what was refined,
     and how far it moved)."""
-    from nbl_gguf.calibration.dataset import FILE_SUFFIXES
-
     report = artifact.report
     data = dict(report.get("data", {}))
     model = report.get("model", {})
-    dataset = data.get("dataset")
-    if dataset and Path(dataset).suffix.lower() in FILE_SUFFIXES:
-        dataset = Path(dataset).name  # a local file: where it lay is no part of it (text_sha256 is)
+    dataset = _dataset_name(data.get("dataset"))
     return {
         "model": model.get("name") or model_dir.name,
         "model_type": model.get("model_type"),
@@ -294,9 +290,25 @@ def _tool_versions() -> dict:
             "llama.cpp patches": llama_cpp_patches_sha256()}
 
 
+def _dataset_name(dataset: str | None) -> str | None:
+    """A --dataset as the GGUF records it: a local file by its name (where it lay is no part of it; the
+    record's text_sha256 is), a hub name as it is."""
+    from nbl_gguf.calibration.dataset import FILE_SUFFIXES
+
+    if dataset and Path(dataset).suffix.lower() in FILE_SUFFIXES:
+        return Path(dataset).name
+    return dataset
+
+
 def _refine_record(refine: dict) -> dict:
-    """The refinement as the GGUF keeps it: what, how, and the held-out losses (not its time or file)."""
-    return {key: value for key, value in refine.items() if key not in ("seconds", "weights", "history", "device")}
+    """The refinement as the GGUF keeps it: what, how, and the held-out losses (not its time, file or the
+    path of its text)."""
+    record = {key: value for key, value in refine.items() if key not in ("seconds", "weights", "history", "device")}
+    heldout = (record.get("windows") or {}).get("heldout")
+    if isinstance(heldout, dict) and heldout.get("calibration_text"):
+        record["windows"] = {**record["windows"],
+                             "heldout": {**heldout, "calibration_text": _dataset_name(heldout["calibration_text"])}}
+    return record
 
 
 def _measured_selection(artifact, layers: list[int] | None, method: str | None, taps: int | None) -> dict:

@@ -314,6 +314,15 @@ def calibration_lines(calibration) -> list[str]:
         rows.append(("", f"probes' answer loss {guard.get('base_loss', float('nan')):.3f} -> "
                          f"{guard.get('loss', float('nan')):.3f} nats/token (tolerance {guard.get('tolerance')}, "
                          f"{guard.get('probes')} probes of {recall.get('ctx')} tokens)"))
+    refine = calibration.get("refine")
+    described = {"refine"} if isinstance(refine, dict) and isinstance(refine.get("heldout"), dict) else set()
+    if described:
+        import textwrap
+
+        from nbl_gguf.calibration.report import describe_refine
+
+        lines = textwrap.wrap(describe_refine(refine), 90)
+        rows += [("refine" if i == 0 else "", line) for i, line in enumerate(lines)]
     versions = calibration.get("versions")
     if isinstance(versions, dict) and versions:
         shown = {**versions}
@@ -330,7 +339,7 @@ def calibration_lines(calibration) -> list[str]:
                 lines[-1] += ", " + part
         rows += [("versions" if i == 0 else "", line) for i, line in enumerate(lines)]
     known = {"model", "model_type", "dtype", "source_gguf", "tokens", "dataset", "dataset_config", "split", "nsamples",
-             "seqlen", "documents", "text_sha256", "seed", "selection", "versions", "recall"}
+             "seqlen", "documents", "text_sha256", "seed", "selection", "versions", "recall"} | described
     rows += [(key, json.dumps(calibration[key], sort_keys=True)) for key in sorted(set(calibration) - known)]
     lines = [("calibration:   " if index == 0 else INDENT) + f"{label:<11s}{value}"
              for index, (label, value) in enumerate(rows)]
